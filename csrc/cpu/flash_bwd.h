@@ -1,0 +1,223 @@
+// Blocked flash-attention backward (FA2), written once for every tier.
+//
+// With s = log2(e) * (scale * Q K^T + mask) and lse2 = log2(e) * lse from the forward:
+//   P    = 2^(s - lse2)                       recomputed per tile, never stored
+//   Pd   = P * Z / (1 - p)                    Z: the forward's dropout keep bits (Philox)
+//   dV  += Pd^T dO
+//   dPd  = dO V^T;  dP = dPd * Z / (1 - p)
+//   dS   = P * (dP - delta),  delta_i = sum_d dO[i,d] * O[i,d]
+//   dQ  += scale * dS K;      dK += scale * dS^T Q
+// Three phases, each a parallel loop over independent items so that no two threads ever add
+// into the same gradient row (deterministic at any thread count, no atomics):
+//   BwdDelta: delta for every (b, h, row)
+//   BwdDkDv:  item (b, hkv, kv-block); loops over the group's query heads and all q blocks
+//   BwdDq:    item (b, h, q-block); loops over the kv blocks
+// All accumulation is fp32 in per-thread scratch, converted to the gradient dtype once.
+#pragma once
+#include "flash_common.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+template <class Ops, class T>
+struct FlashBackward {
+  struct Layout {
+    int ldq, lddo, lds, ldd, lddv;
+    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, keep, total;
+  };
+  static Layout layout(const AttnParams& p, const Blocks& bl) {
+    Layout L;
+    const int64_t bkp = round_up(bl.bk, Ops::NR);
+    const int64_t dp_ = round_up(p.D, Ops::NR);
+    const int64_t dvp = round_up(p.Dv, Ops::NR);
+    L.ldq = int(p.D);
+    L.lddo = int(p.Dv);
+    L.lds = int(bkp);
+    L.ldd = int(dp_);
+    L.lddv = int(dvp);
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      const int64_t at = off;
+      off += round_up(n, 16);
+      return at;
+    };
+    L.q = take(int64_t(bl.bq) * p.D);     // Q_blk rows (A operand)
+    L.qp = take(int64_t(bl.bq) * dp_);    // Q_blk panels (B operand of dK += dS^T Q)
+    L.dO = take(int64_t(bl.bq) * p.Dv);   // dO_blk rows (A operand of dP = dO V^T)
+    L.dop = take(int64_t(bl.bq) * dvp);   // dO_blk panels (B operand of dV += Pd^T dO)
+    L.kt = take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
+    L.vt = take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
+    L.kp = take(int64_t(bl.bk) * dp_);    // K_blk panels (dQ += dS K)
+    L.s = take(int64_t(bl.bq) * bkp);     // P
+    L.pd = take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout only)
+    L.dp = take(int64_t(bl.bq) * bkp);    // dP, then dS
+    L.dk = take(int64_t(bl.bk) * dp_);    // dK accumulator
+    L.dv = take(int64_t(bl.bk) * dvp);    // dV accumulator
+    L.dq = take(int64_t(bl.bq) * dp_);    // dQ accumulator
+    L.mask = take(int64_t(bl.bq) * bkp);
+    L.keep = take(bkp / 4 + 1);
+    L.total = off;
+    return L;
+  }
+
+  // ---- phase BwdDelta: delta = rowsum(dO * O) ---------------------------------------------------
+  static int64_t delta_items(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
+  }
+  static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+    const int64_t bh = item / n_qb, b = bh / p.Hq, h = bh % p.Hq;
+    const int64_t i0 = (item % n_qb) * bl.bq;
+    const int64_t i1 = min64(p.Lq, i0 + bl.bq);
+    for (int64_t i = i0; i < i1; ++i)
+      *delta_ptr(p, b, h, i) = Ops::dot_row(do_row<T>(p, b, h, i), o_crow<T>(p, b, h, i), int(p.Dv));
+  }
+
+  // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
+  // Needs qbuf, dobuf (A operands) and kt, vt (K^T, V^T panels) loaded. Returns false when every
+  // row of the tile is masked (nothing to add).
+  struct Tile {
+    const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
+    const float* ds;  // dS
+  };
+  static bool tile_ds(const AttnParams& p, const Layout& L, float* scratch, int64_t b, int64_t h,
+                      int64_t i0, int nq, int64_t j0, int nk, Tile* tile) {
+    float* qbuf = scratch + L.q;
+    float* dobuf = scratch + L.dO;
+    float* s = scratch + L.s;
+    float* pd = scratch + L.pd;
+    float* dp = scratch + L.dp;
+    uint8_t* keep = reinterpret_cast<uint8_t*>(scratch + L.keep);
+    MaskTile mt{scratch + L.mask, L.lds, false};
+    const float scale_log2 = p.scale * kLog2e;
+    const bool dropout = p.dropout_p > 0.0f;
+    const uint64_t bh = uint64_t(b * p.Hq + h);
+
+    // S = Q_blk K_blk^T, then P = 2^(s - lse2)
+    Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, s, L.lds, false);
+    const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
+    bool any = false;
+    for (int r = 0; r < nq; ++r) {
+      const int64_t i = i0 + r;
+      float* srow = s + int64_t(r) * L.lds;
+      const int valid = causal_valid(p, i, j0, nk);
+      const float mx = Ops::score_row(srow, nk, scale_log2, mt.row(mtile, r), valid);
+      if (mx == kNegInf) {
+        for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
+      } else {
+        any = true;
+        Ops::exp2_row_sum(srow, nk, *lse_ptr(p, b, h, i) * kLog2e);
+      }
+      if (dropout) dropout_apply_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds, keep);
+    }
+    tile->pd = dropout ? pd : s;
+    tile->ds = dp;
+    if (!any) return false;
+
+    // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
+    Ops::template gemm<false>(nq, nk, int(p.Dv), dobuf, L.lddo, scratch + L.vt, dp, L.lds, false);
+    for (int r = 0; r < nq; ++r) {
+      const int64_t i = i0 + r;
+      float* srow = s + int64_t(r) * L.lds;
+      float* dprow = dp + int64_t(r) * L.lds;
+      if (dropout) dropout_apply_row(p, bh, i, j0, nk, dprow, dprow, keep);
+      const float di = *delta_ptr(p, b, h, i);
+      for (int c = 0; c < nk; ++c) dprow[c] = srow[c] * (dprow[c] - di);
+    }
+    return true;
+  }
+
+  // Loads the q-side operands of rows [i0, i0 + nq) of head h.
+  static void load_q_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
+                          int64_t h, int64_t i0, int nq, bool panels) {
+    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq);
+    Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo);
+    if (panels) {
+      Ops::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.qp);
+      Ops::pack_b(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dop);
+    }
+  }
+
+  // ---- phase BwdDkDv ----------------------------------------------------------------------------
+  static int64_t dkdv_items(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
+  }
+  static void run_dkdv(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    const Layout L = layout(p, bl);
+    const int64_t n_kb = ceil_div(p.Lk, bl.bk);
+    const int64_t bhk = item / n_kb, t = item % n_kb;
+    const int64_t kb = p.causal ? zigzag(t, n_kb) : t;
+    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t group = p.Hq / p.Hkv;
+    const int64_t j0 = kb * bl.bk;
+    const int nk = int(min64(bl.bk, p.Lk - j0));
+    float* dk = scratch + L.dk;
+    float* dv = scratch + L.dv;
+    for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
+    for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
+
+    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
+    Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
+    // Causal: rows i < j0 see none of this block; start at the q block holding row j0.
+    const int64_t i_start = p.causal ? (j0 / bl.bq) * bl.bq : 0;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      for (int64_t i0 = i_start; i0 < p.Lq; i0 += bl.bq) {
+        const int nq = int(min64(bl.bq, p.Lq - i0));
+        load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/true);
+        Tile tile;
+        const bool any = tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile);
+        if (!any) continue;
+        // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
+        Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop, dv, L.lddv,
+                                 true);
+        Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp, dk,
+                                 L.ldd, true);
+      }
+    }
+    T* dkp = static_cast<T*>(p.dk) + b * p.dk_sb + hk * p.dk_sh;
+    T* dvp = static_cast<T*>(p.dv) + b * p.dv_sb + hk * p.dv_sh;
+    for (int c = 0; c < nk; ++c) {
+      Ops::store_row(dk + int64_t(c) * L.ldd, int(p.D), p.scale, dkp + (j0 + c) * p.dk_sl);
+      Ops::store_row(dv + int64_t(c) * L.lddv, int(p.Dv), 1.0f, dvp + (j0 + c) * p.dv_sl);
+    }
+  }
+
+  // ---- phase BwdDq ------------------------------------------------------------------------------
+  static int64_t dq_items(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
+  }
+  static void run_dq(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    const Layout L = layout(p, bl);
+    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+    const int64_t bh = item / n_qb, t = item % n_qb;
+    const int64_t qb = p.causal ? zigzag(t, n_qb) : t;
+    const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    const int64_t hk = h / (p.Hq / p.Hkv);
+    const int64_t i0 = qb * bl.bq;
+    const int nq = int(min64(bl.bq, p.Lq - i0));
+    float* dq = scratch + L.dq;
+    for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
+
+    load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/false);
+    const int64_t kv_end = kv_end_for_rows(p, i0, nq);
+    for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
+      const int nk = int(min64(bl.bk, kv_end - j0));
+      Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
+      Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
+      Tile tile;
+      if (!tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile)) continue;
+      // dQ += dS K_blk
+      Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
+      Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp, dq, L.ldd,
+                                true);
+    }
+    T* dqp = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh;
+    for (int r = 0; r < nq; ++r)
+      Ops::store_row(dq + int64_t(r) * L.ldd, int(p.D), p.scale, dqp + (i0 + r) * p.dq_sl);
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,143 @@
+// Pieces shared by the blocked forward and backward: block sizes, work-item numbering, element
+// addressing, mask rows and the score / probability rows. Templated on a micro-kernel trait
+// (generic_ops.h) and compiled once per tier inside that tier's namespace.
+#pragma once
+#include "../params.h"
+#include "scalar.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+// ---- block sizes ---------------------------------------------------------------------------------
+struct Blocks {
+  int bq;  // query rows per block
+  int bk;  // key columns per block (a multiple of the trait's NR)
+};
+
+// The per-thread working set (K^T and V panels of one kv block plus the score tile) should stay
+// in L2: bk = kL2PanelBytes / (4 * (D + Dv)), clamped, rounded to the panel width. Depends on the
+// shape only, never on the thread count (results must not depend on it).
+template <class Ops>
+Blocks choose_blocks(const AttnParams& p) {
+  constexpr int64_t kL2PanelBytes = 256 * 1024;
+  constexpr int64_t kMinBk = 64, kMaxBk = 512;
+  Blocks bl;
+  const int64_t bq = p.Lq >= Ops::kBlockQ ? Ops::kBlockQ : round_up(max64(p.Lq, 1), Ops::MR);
+  int64_t bk = kL2PanelBytes / (4 * (p.D + p.Dv));
+  bk = max64(kMinBk, min64(kMaxBk, bk));
+  bk = min64(bk, round_up(max64(p.Lk, 1), Ops::NR));
+  bk = round_up(bk, Ops::NR);
+  bl.bq = int(bq);
+  bl.bk = int(bk);
+  return bl;
+}
+
+// Causal work grows with the block index; visiting blocks as 0, n-1, 1, n-2, ... makes every
+// contiguous range of items (what a thread gets from at::parallel_for) about equally expensive.
+inline int64_t zigzag(int64_t t, int64_t n) { return (t & 1) ? n - 1 - (t >> 1) : (t >> 1); }
+
+// ---- addressing ----------------------------------------------------------------------------------
+template <class T> inline const T* q_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + i * p.q_sl;
+}
+template <class T> inline const T* k_row(const AttnParams& p, int64_t b, int64_t hk, int64_t j) {
+  return static_cast<const T*>(p.k) + b * p.k_sb + hk * p.k_sh + j * p.k_sl;
+}
+template <class T> inline const T* v_row(const AttnParams& p, int64_t b, int64_t hk, int64_t j) {
+  return static_cast<const T*>(p.v) + b * p.v_sb + hk * p.v_sh + j * p.v_sl;
+}
+template <class T> inline T* o_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<T*>(p.out) + b * p.o_sb + h * p.o_sh + i * p.o_sl;
+}
+template <class T> inline const T* o_crow(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<const T*>(p.out) + b * p.o_sb + h * p.o_sh + i * p.o_sl;
+}
+template <class T> inline const T* do_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return static_cast<const T*>(p.dout) + b * p.do_sb + h * p.do_sh + i * p.do_sl;
+}
+inline float* lse_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return p.lse + b * p.lse_sb + h * p.lse_sh + i * p.lse_sl;
+}
+inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return p.delta + (b * p.Hq + h) * p.Lq + i;
+}
+
+// ---- masks ---------------------------------------------------------------------------------------
+// dst[c] = log2(e) * mask[b, h, i, j0 + c] for c < n; bool masks give 0 (attend) or -inf.
+inline void mask_row_log2(const AttnParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int n,
+                          float* dst) {
+  const int64_t base = b * p.m_sb + h * p.m_sh + i * p.m_sl + j0 * p.m_sk;
+  const int64_t sk = p.m_sk;
+  switch (p.mask_type) {
+    case MaskType::Bool: {
+      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
+      for (int c = 0; c < n; ++c) dst[c] = m[c * sk] ? 0.0f : kNegInf;
+      break;
+    }
+    case MaskType::F32: {
+      const float* m = static_cast<const float*>(p.mask) + base;
+      for (int c = 0; c < n; ++c) dst[c] = m[c * sk] * kLog2e;
+      break;
+    }
+    case MaskType::BF16: {
+      const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
+      for (int c = 0; c < n; ++c) dst[c] = bf16_to_f32(m[c * sk]) * kLog2e;
+      break;
+    }
+    case MaskType::F16: {
+      const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
+      for (int c = 0; c < n; ++c) dst[c] = f16_to_f32(m[c * sk]) * kLog2e;
+      break;
+    }
+    case MaskType::None:
+      for (int c = 0; c < n; ++c) dst[c] = 0.0f;
+      break;
+  }
+}
+
+// Mask rows of one (q block x kv block) tile. When the mask does not vary along the query
+// dimension (m_sl == 0, e.g. a key-padding mask) one converted row serves every query row.
+struct MaskTile {
+  float* buf;  // scratch: one row of bk floats, or bq rows when the mask varies by row
+  int ld;
+  bool per_row;
+
+  const float* fill(const AttnParams& p, int64_t b, int64_t h, int64_t i0, int nq, int64_t j0,
+                    int nk) {
+    if (p.mask_type == MaskType::None) return nullptr;
+    per_row = p.m_sl != 0;
+    const int rows = per_row ? nq : 1;
+    for (int r = 0; r < rows; ++r) mask_row_log2(p, b, h, i0 + r, j0, nk, buf + int64_t(r) * ld);
+    return buf;
+  }
+  const float* row(const float* tile, int r) const {
+    return tile ? tile + (per_row ? int64_t(r) * ld : 0) : nullptr;
+  }
+};
+
+// Columns of kv block [j0, j0 + nk) that query row i may attend to under the causal rule.
+inline int causal_valid(const AttnParams& p, int64_t i, int64_t j0, int nk) {
+  if (!p.causal) return nk;
+  const int64_t v = i + 1 - j0;
+  return int(v < 0 ? 0 : (v > nk ? nk : v));
+}
+
+// Last key column + 1 that any row of [i0, i0 + nq) can see.
+inline int64_t kv_end_for_rows(const AttnParams& p, int64_t i0, int nq) {
+  return p.causal ? min64(p.Lk, i0 + nq) : p.Lk;
+}
+
+// ---- dropout -------------------------------------------------------------------------------------
+// Multiplies row segment x[0..n) (columns [j0, j0+n) of row i, head bh) by keep / (1 - p).
+inline void dropout_apply_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,
+                              const float* x, float* out, uint8_t* keep_buf) {
+  const uint32_t thr = dropout_threshold(p.dropout_p);
+  const float rscale = 1.0f / (1.0f - p.dropout_p);
+  dropout_keep_row(p.seed, p.offset, bh, i, j0, n, thr, keep_buf);
+  for (int c = 0; c < n; ++c) out[c] = keep_buf[c] ? x[c] * rscale : 0.0f;
+}
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

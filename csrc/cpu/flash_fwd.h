@@ -1,0 +1,135 @@
+// Blocked flash-attention forward with an online softmax, written once for every tier.
+//
+// One work item = (b, h, q-block). For a q block Q_blk [bq, D]:
+//   m = -inf, l = 0, acc = 0                               (per row; fp32)
+//   for each kv block [j0, j0 + bk) the rows can see:
+//     S   = Q_blk K_blk^T                                  (gemm, fp32)
+//     s   = log2(e) * (scale * S + mask); causal cut       (score_row; log2 domain)
+//     m'  = max(m, rowmax(s)); alpha = 2^(m - m')
+//     P   = 2^(s - m'); l = alpha * l + rowsum(P)
+//     acc = alpha * acc + dropout(P) V_blk                 (gemm)
+//   out = acc / l;  lse = ln(2) * (m + log2(l))
+// Rows with nothing to attend to (l == 0) give out = 0 and lse = 0, as PyTorch's kernel does.
+#pragma once
+#include "flash_common.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+template <class Ops, class T>
+struct FlashForward {
+  // Scratch (floats) of one thread, carved in this order.
+  struct Layout {
+    int ldq, lds, ldacc;
+    int64_t q, kt, v, s, acc, m, l, mask, keep, total;
+  };
+  static Layout layout(const AttnParams& p, const Blocks& bl) {
+    Layout L;
+    const int64_t bkp = round_up(bl.bk, Ops::NR);
+    const int64_t dvp = round_up(p.Dv, Ops::NR);
+    L.ldq = int(p.D);
+    L.lds = int(bkp);
+    L.ldacc = int(dvp);
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      const int64_t at = off;
+      off += round_up(n, 16);  // keep every buffer 64-byte aligned
+      return at;
+    };
+    L.q = take(int64_t(bl.bq) * p.D);
+    L.kt = take(bkp * p.D);
+    L.v = take(int64_t(bl.bk) * dvp);
+    L.s = take(int64_t(bl.bq) * bkp);
+    L.acc = take(int64_t(bl.bq) * dvp);
+    L.m = take(bl.bq);
+    L.l = take(bl.bq);
+    L.mask = take(int64_t(bl.bq) * bkp);
+    L.keep = take(bkp / 4 + 1);  // bytes of keep flags, bkp of them
+    L.total = off;
+    return L;
+  }
+
+  static int64_t num_items(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
+  }
+
+  static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    const Layout L = layout(p, bl);
+    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+    const int64_t bh = item / n_qb;
+    const int64_t t = item % n_qb;
+    const int64_t qb = p.causal ? zigzag(t, n_qb) : t;
+    const int64_t b = bh / p.Hq, h = bh % p.Hq;
+    const int64_t hk = h / (p.Hq / p.Hkv);
+    const int64_t i0 = qb * bl.bq;
+    const int nq = int(min64(bl.bq, p.Lq - i0));
+    const int Dv = int(p.Dv);
+
+    float* qbuf = scratch + L.q;
+    float* kt = scratch + L.kt;
+    float* vp = scratch + L.v;
+    float* s = scratch + L.s;
+    float* acc = scratch + L.acc;
+    float* m = scratch + L.m;
+    float* l = scratch + L.l;
+    MaskTile mt{scratch + L.mask, L.lds, false};
+    uint8_t* keep = reinterpret_cast<uint8_t*>(scratch + L.keep);
+    const float scale_log2 = p.scale * kLog2e;
+    const bool dropout = p.dropout_p > 0.0f;
+
+    // Q_blk [nq, D] in fp32
+    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq);
+    for (int r = 0; r < nq; ++r) {
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      float* a = acc + int64_t(r) * L.ldacc;
+      for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
+    }
+
+    const int64_t kv_end = kv_end_for_rows(p, i0, nq);
+    for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
+      const int nk = int(min64(bl.bk, kv_end - j0));
+      // S = Q_blk K_blk^T   [nq, nk]
+      Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
+      Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, s, L.lds, false);
+      const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
+
+      bool any_row = false;
+      for (int r = 0; r < nq; ++r) {
+        const int64_t i = i0 + r;
+        float* srow = s + int64_t(r) * L.lds;
+        const int valid = causal_valid(p, i, j0, nk);
+        const float mx = Ops::score_row(srow, nk, scale_log2, mt.row(mtile, r), valid);
+        const float m_new = mx > m[r] ? mx : m[r];
+        if (m_new == kNegInf) {  // nothing visible yet in this row: P = 0
+          for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
+          continue;
+        }
+        any_row = true;
+        const float alpha = exp2_poly(m[r] - m_new);  // m = -inf -> 0
+        const float rowsum = Ops::exp2_row_sum(srow, nk, m_new);
+        l[r] = l[r] * alpha + rowsum;
+        m[r] = m_new;
+        if (alpha != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha);
+        if (dropout) dropout_apply_row(p, uint64_t(bh), i, j0, nk, srow, srow, keep);
+      }
+      if (!any_row) continue;  // the whole tile is masked: skip P V
+      // acc += P V_blk   [nq, Dv]
+      Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, acc, L.ldacc, true);
+    }
+
+    for (int r = 0; r < nq; ++r) {
+      const int64_t i = i0 + r;
+      const bool empty = l[r] == 0.0f;  // fully masked row (or Lk == 0)
+      *lse_ptr(p, b, h, i) = empty ? 0.0f : (m[r] + __builtin_log2f(l[r])) * kLn2;
+      Ops::store_row(acc + int64_t(r) * L.ldacc, Dv, empty ? 0.0f : 1.0f / l[r],
+                     o_row<T>(p, b, h, i));
+    }
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,162 @@
+// Scalar building blocks shared by every tier: fp16/bf16 <-> fp32 conversion, a polynomial
+// exp2, and the Philox4x32-10 counter-based RNG used by dropout.
+//
+// Included inside each tier's own namespace (FLASHSDPA_TIER_NS), so every tier gets its own copy
+// compiled with its own flags (no inline function is shared across ISA translation units).
+#pragma once
+#ifndef FLASHSDPA_TIER_NS
+#error "define FLASHSDPA_TIER_NS before including csrc/cpu headers"
+#endif
+
+#include <stdint.h>
+#include <string.h>
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e)
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2)
+constexpr float kNegInf = -__builtin_inff();
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- bf16 -------------------------------------------------------------------------------------
+inline float bf16_to_f32(uint16_t h) { return bits_f32(uint32_t(h) << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN of the same sign.
+inline uint16_t f32_to_bf16(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);
+  const uint32_t lsb = (u >> 16) & 1u;
+  return uint16_t((u + 0x7fffu + lsb) >> 16);
+}
+
+// ---- fp16 (IEEE binary16) ------------------------------------------------------------------------
+// Exact widening, subnormals included: normal numbers are re-biased by a multiply by 2^-112,
+// subnormals are rebuilt by subtracting a magic 0.5.
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t w = uint32_t(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;  // drops the sign
+  const float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t denorm_cutoff = 1u << 27;
+  return bits_f32(sign | (two_w < denorm_cutoff ? f32_bits(denormalized) : f32_bits(normalized)));
+}
+
+// Round to nearest even, overflow to inf, NaN to quiet NaN: the rounding is done by the FPU by
+// adding a power of two whose ulp equals the fp16 ulp at f's exponent.
+inline uint16_t f32_to_f16(float f) {
+  float base = (__builtin_fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;  // saturates huge values to inf
+  const uint32_t w = f32_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;  // fp16 subnormal range shares one ulp
+  base = bits_f32((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return uint16_t((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+// Storage types, so that kernels are templated on the element type.
+struct bf16_t { uint16_t x; };
+struct f16_t { uint16_t x; };
+
+inline float to_f32(float v) { return v; }
+inline float to_f32(bf16_t v) { return bf16_to_f32(v.x); }
+inline float to_f32(f16_t v) { return f16_to_f32(v.x); }
+template <class T> inline T from_f32(float v);
+template <> inline float from_f32<float>(float v) { return v; }
+template <> inline bf16_t from_f32<bf16_t>(float v) { return bf16_t{f32_to_bf16(v)}; }
+template <> inline f16_t from_f32<f16_t>(float v) { return f16_t{f32_to_f16(v)}; }
+
+// ---- exp2 ----------------------------------------------------------------------------------------
+// 2^x = 2^n * 2^f with n = round(x), f in [-0.5, 0.5]; 2^f by its degree-7 Taylor series in
+// f*ln2 (truncation < 6e-9 relative), about 2 ulp in all. x < -126 flushes to 0 (softmax weights
+// below 2^-126 of the row maximum are irrelevant), x = -inf gives 0, NaN propagates.
+// Written branch-free so that loops over it auto-vectorise.
+inline float exp2_poly(float x) {
+  const float xc = x > 127.0f ? 127.0f : (x >= -126.0f ? x : -126.0f);  // NaN -> -126
+  const float n = __builtin_floorf(xc + 0.5f);
+  const float f = (xc - n) * kLn2;
+  // e^f, Horner
+  float pf = 1.0f / 5040.0f;
+  pf = pf * f + 1.0f / 720.0f;
+  pf = pf * f + 1.0f / 120.0f;
+  pf = pf * f + 1.0f / 24.0f;
+  pf = pf * f + 1.0f / 6.0f;
+  pf = pf * f + 0.5f;
+  pf = pf * f + 1.0f;
+  pf = pf * f + 1.0f;
+  const float scale = bits_f32(uint32_t(int32_t(n) + 127) << 23);
+  const float r = pf * scale;
+  return x < -126.0f ? 0.0f : (x != x ? x : r);
+}
+
+// ---- Philox4x32-10 -------------------------------------------------------------------------------
+// Dropout keep bits. Element (bh, i, j) of a call with (seed, offset) uses output word (j & 3) of
+// Philox(key = seed, counter = (j >> 2, i, bh, offset)); it is kept when that word >= threshold,
+// threshold = round(p * 2^32). Forward, backward and every tier compute the same bits.
+struct Philox4 {
+  uint32_t v[4];
+};
+
+inline Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                             uint32_t k1) {
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+  for (int round = 0; round < 10; ++round) {
+    const uint64_t p0 = uint64_t(kMul0) * c0;
+    const uint64_t p1 = uint64_t(kMul1) * c2;
+    const uint32_t hi0 = uint32_t(p0 >> 32), lo0 = uint32_t(p0);
+    const uint32_t hi1 = uint32_t(p1 >> 32), lo1 = uint32_t(p1);
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  return Philox4{{c0, c1, c2, c3}};
+}
+
+// Threshold for keep = (word >= threshold); p in [0, 1).
+inline uint32_t dropout_threshold(float p) {
+  const double t = double(p) * 4294967296.0;
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : uint32_t(t + 0.5);
+}
+
+// Keep bits of one row segment: keep[j - j0] for columns [j0, j0 + n).
+inline void dropout_keep_row(uint64_t seed, uint64_t offset, uint64_t bh, int64_t i, int64_t j0,
+                             int64_t n, uint32_t threshold, uint8_t* keep) {
+  const uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+  int64_t j = j0;
+  const int64_t end = j0 + n;
+  while (j < end) {
+    const Philox4 r = philox4x32_10(uint32_t(j >> 2), uint32_t(i), uint32_t(bh), uint32_t(offset),
+                                    k0, k1);
+    for (int w = int(j & 3); w < 4 && j < end; ++w, ++j) keep[j - j0] = r.v[w] >= threshold;
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,84 @@
+// Glue from the blocked algorithms to the CpuTier table: phase planning, dtype dispatch.
+// A tier source defines FLASHSDPA_TIER_NS, its Ops trait, and then
+//   FLASHSDPA_DEFINE_TIER(<getter>, <Ops>, "<name>")
+#pragma once
+#include "flash_bwd.h"
+#include "flash_fwd.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+template <class Ops>
+struct TierImpl {
+  template <class T>
+  static PhasePlan plan_typed(const AttnParams& p, Phase phase) {
+    const Blocks bl = choose_blocks<Ops>(p);
+    PhasePlan pl{0, 0};
+    switch (phase) {
+      case Phase::Forward:
+        pl.n_items = FlashForward<Ops, T>::num_items(p, bl);
+        pl.scratch_bytes = 4 * FlashForward<Ops, T>::layout(p, bl).total;
+        break;
+      case Phase::BwdDelta:
+        pl.n_items = FlashBackward<Ops, T>::delta_items(p, bl);
+        break;
+      case Phase::BwdDkDv:
+        pl.n_items = FlashBackward<Ops, T>::dkdv_items(p, bl);
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        break;
+      case Phase::BwdDq:
+        pl.n_items = FlashBackward<Ops, T>::dq_items(p, bl);
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        break;
+    }
+    return pl;
+  }
+
+  template <class T>
+  static void run_typed(const AttnParams& p, Phase phase, int64_t begin, int64_t end,
+                        void* scratch_v) {
+    const Blocks bl = choose_blocks<Ops>(p);
+    float* scratch = static_cast<float*>(scratch_v);
+    for (int64_t item = begin; item < end; ++item) {
+      switch (phase) {
+        case Phase::Forward: FlashForward<Ops, T>::run_item(p, bl, item, scratch); break;
+        case Phase::BwdDelta: FlashBackward<Ops, T>::run_delta(p, bl, item); break;
+        case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
+        case Phase::BwdDq: FlashBackward<Ops, T>::run_dq(p, bl, item, scratch); break;
+      }
+    }
+  }
+
+  static PhasePlan plan(const AttnParams& p, Phase phase) {
+    switch (p.dtype) {
+      case DType::F32: return plan_typed<float>(p, phase);
+      case DType::BF16: return plan_typed<bf16_t>(p, phase);
+      case DType::F16: return plan_typed<f16_t>(p, phase);
+    }
+    return PhasePlan{0, 0};
+  }
+
+  static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch) {
+    switch (p.dtype) {
+      case DType::F32: run_typed<float>(p, phase, begin, end, scratch); break;
+      case DType::BF16: run_typed<bf16_t>(p, phase, begin, end, scratch); break;
+      case DType::F16: run_typed<f16_t>(p, phase, begin, end, scratch); break;
+    }
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa
+
+#define FLASHSDPA_DEFINE_TIER(getter, OPS, NAME, PROBE)                                        \
+  namespace flashsdpa {                                                                         \
+  namespace cpu {                                                                               \
+  const CpuTier* getter() {                                                                     \
+    static const CpuTier tier{NAME, &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::plan, \
+                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run, PROBE}; \
+    return &tier;                                                                               \
+  }                                                                                             \
+  }                                                                                             \
+  }

@@ -1,0 +1,207 @@
+// Python bindings of flashsdpa._C: CPU feature report, tier selection, test hooks and the probes
+// that bench/peak.py times. The ops themselves are registered with TORCH_LIBRARY in ops.cpp.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <string>
+
+#include "cpu/isa.h"
+#include "ops.h"
+
+#define FLASHSDPA_TIER_NS reference
+#include "cpu/scalar.h"
+
+namespace py = pybind11;
+using flashsdpa::DType;
+using flashsdpa::cpu::Isa;
+
+namespace {
+
+DType parse_dtype(const std::string& s) {
+  if (s == "float32" || s == "fp32") return DType::F32;
+  if (s == "bfloat16" || s == "bf16") return DType::BF16;
+  if (s == "float16" || s == "fp16") return DType::F16;
+  throw py::value_error("flashsdpa: dtype must be float32, bfloat16 or float16, got '" + s + "'");
+}
+
+Isa parse_isa_or_throw(const std::string& name) {
+  Isa isa;
+  if (!flashsdpa::cpu::parse_isa(name, &isa))
+    throw py::value_error("FLASHSDPA_CPU_ISA='" + name +
+                          "' is not a tier; use one of portable, avx2, avx512, avx512_bf16, amx");
+  return isa;
+}
+
+py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
+  py::dict d;
+  d["x86"] = f.x86;
+  d["avx"] = f.avx;
+  d["avx2"] = f.avx2;
+  d["fma"] = f.fma;
+  d["f16c"] = f.f16c;
+  d["avx512f"] = f.avx512f;
+  d["avx512bw"] = f.avx512bw;
+  d["avx512vl"] = f.avx512vl;
+  d["avx512dq"] = f.avx512dq;
+  d["avx512_bf16"] = f.avx512_bf16;
+  d["amx_tile"] = f.amx_tile;
+  d["amx_bf16"] = f.amx_bf16;
+  d["os_avx"] = f.os_avx;
+  d["os_avx512"] = f.os_avx512;
+  d["os_amx"] = f.os_amx;
+  d["amx_permitted"] = f.amx_permitted;
+  py::list runnable;
+  for (int i = 0; i < int(Isa::kCount); ++i)
+    if (f.can_run[i]) runnable.append(flashsdpa::cpu::isa_name(Isa(i)));
+  d["runnable_tiers"] = runnable;
+  return d;
+}
+
+py::list tiers_list() {
+  py::list out;
+  const auto& f = flashsdpa::cpu::host_features();
+  for (int i = 0; i < int(Isa::kCount); ++i) {
+    const Isa isa = Isa(i);
+    py::dict t;
+    t["name"] = flashsdpa::cpu::isa_name(isa);
+    t["built"] = flashsdpa::cpu::built_tier(isa) != nullptr;
+    t["cpu_ok"] = f.can_run[i];
+    py::list dts;
+    for (const char* dt : {"float32", "bfloat16", "float16"})
+      if (flashsdpa::cpu::tier_supports_dtype(isa, parse_dtype(dt))) dts.append(dt);
+    t["dtypes"] = dts;
+    out.append(t);
+  }
+  return out;
+}
+
+// Runs `iters` rounds of the tier's FMA probe on every thread of PyTorch's pool; returns flops.
+double fma_probe(const std::string& tier_name, int64_t iters) {
+  const Isa isa = parse_isa_or_throw(tier_name);
+  const flashsdpa::CpuTier* tier = flashsdpa::cpu::built_tier(isa);
+  TORCH_CHECK(tier && flashsdpa::cpu::host_features().can_run[int(isa)], "flashsdpa: tier ",
+              tier_name, " is not built or not runnable here");
+  const int nt = at::get_num_threads();
+  std::vector<double> flops(nt, 0.0);
+  std::vector<float> sink(nt * 16, 0.0f);
+  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) flops[t] = tier->fma_probe(iters, &sink[t * 16]);
+  });
+  double total = 0.0;
+  for (double x : flops) total += x;
+  return total;
+}
+
+// Reads every element of a contiguous fp32 tensor once on all threads (bench/peak.py times it).
+double read_probe(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
+              "flashsdpa: read_probe needs a contiguous float32 CPU tensor");
+  const float* x = t.data_ptr<float>();
+  const int64_t n = t.numel();
+  constexpr int64_t kLanes = 16;  // independent accumulators, so the loop vectorises
+  const int64_t chunk = 1 << 16;
+  const int64_t n_chunks = (n + chunk - 1) / chunk;
+  std::vector<double> partial(n_chunks, 0.0);  // one slot per chunk: no sharing between threads
+  at::parallel_for(0, n_chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      float acc[kLanes] = {};
+      const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
+      int64_t i = lo;
+      for (; i + kLanes <= hi; i += kLanes)
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j];
+      for (; i < hi; ++i) acc[0] += x[i];
+      double s = 0.0;
+      for (float a : acc) s += a;
+      partial[c] = s;
+    }
+  });
+  double s = 0.0;
+  for (double v : partial) s += v;
+  return s;
+}
+
+// keep[b, h, i, j] of a dropout call: the exact bits the kernels use (for reference tests).
+at::Tensor dropout_keep_mask(int64_t seed, int64_t offset, int64_t B, int64_t H, int64_t L,
+                             int64_t S, double p) {
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "flashsdpa: dropout_p must be in [0, 1), got ", p);
+  at::Tensor keep = at::empty({B, H, L, S}, at::kBool);
+  auto* out = keep.data_ptr<bool>();
+  const uint32_t thr = flashsdpa::cpu::reference::dropout_threshold(float(p));
+  std::vector<uint8_t> row(S);
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    for (int64_t i = 0; i < L; ++i) {
+      flashsdpa::cpu::reference::dropout_keep_row(uint64_t(seed), uint64_t(offset), uint64_t(bh), i,
+                                                  0, S, thr, row.data());
+      for (int64_t j = 0; j < S; ++j) out[(bh * L + i) * S + j] = row[j] != 0;
+    }
+  }
+  return keep;
+}
+
+py::dict decode_raw(const py::dict& raw, bool is_x86) {
+  flashsdpa::cpu::RawCpuid r;
+  auto get = [&](const char* key, uint64_t dflt) {
+    return raw.contains(key) ? raw[key].cast<uint64_t>() : dflt;
+  };
+  r.max_leaf = uint32_t(get("max_leaf", 7));
+  r.leaf1_ecx = uint32_t(get("leaf1_ecx", 0));
+  r.leaf7_ebx = uint32_t(get("leaf7_ebx", 0));
+  r.leaf7_edx = uint32_t(get("leaf7_edx", 0));
+  r.leaf7_1_eax = uint32_t(get("leaf7_1_eax", 0));
+  r.xcr0 = get("xcr0", 0);
+  r.amx_permitted = get("amx_permitted", 0) != 0;
+  return features_dict(flashsdpa::cpu::decode_features(r, is_x86));
+}
+
+py::dict raw_cpuid() {
+  const auto r = flashsdpa::cpu::read_cpuid();
+  py::dict d;
+  d["max_leaf"] = r.max_leaf;
+  d["leaf1_ecx"] = r.leaf1_ecx;
+  d["leaf7_ebx"] = r.leaf7_ebx;
+  d["leaf7_edx"] = r.leaf7_edx;
+  d["leaf7_1_eax"] = r.leaf7_1_eax;
+  d["xcr0"] = r.xcr0;
+  d["amx_permitted"] = int(r.amx_permitted);
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flashsdpa native extension (ops are registered as torch.ops.flashsdpa.*)";
+  m.def("cpu_features", [] { return features_dict(flashsdpa::cpu::host_features()); },
+        "CPU features seen by flashsdpa (CPUID + XCR0 + the Linux AMX permission)");
+  m.def("raw_cpuid", &raw_cpuid, "the raw CPUID / XCR0 words feature detection decodes");
+  m.def("decode_features", &decode_raw, py::arg("raw"), py::arg("is_x86") = true,
+        "test hook: decode fake CPUID/XCR0 words");
+  m.def("cpu_brand", &flashsdpa::cpu::cpu_brand);
+  m.def("tiers", &tiers_list, "every tier: built?, runnable on this CPU?, dtypes");
+  m.def(
+      "set_isa_cap",
+      [](const std::string& name) {
+        if (name.empty()) {
+          flashsdpa::cpu::clear_isa_cap();
+        } else {
+          flashsdpa::cpu::set_isa_cap(parse_isa_or_throw(name));
+        }
+      },
+      py::arg("name"), "cap the CPU tier ('' removes the cap)");
+  m.def("isa_cap", []() -> py::object {
+    if (!flashsdpa::cpu::isa_cap_is_set()) return py::none();
+    return py::str(flashsdpa::cpu::isa_name(flashsdpa::cpu::isa_cap()));
+  });
+  m.def(
+      "selected_isa",
+      [](const std::string& dt) {
+        return std::string(flashsdpa::cpu::isa_name(flashsdpa::cpu::selected_isa(parse_dtype(dt))));
+      },
+      py::arg("dtype"));
+  m.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
+  m.def("debug_poison", &flashsdpa::debug_poison);
+  m.def("fma_probe", &fma_probe, py::arg("tier"), py::arg("iters"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("read_probe", &read_probe, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
+  m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
+        py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
+}

@@ -1,0 +1,30 @@
+// Entry points shared by ops.cpp (op registration) and module.cpp (Python bindings).
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace flashsdpa {
+
+// q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
+// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+    c10::optional<double> scale);
+
+// -> (grad_query, grad_key, grad_value), each (B, H, L, D) viewed on a (B, L, H, D) buffer
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
+    bool is_causal, c10::optional<double> scale);
+
+at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
+
+// Debugging aid used by the tests: fill every output and scratch buffer with NaN before the
+// kernels run, so that an element a kernel forgets to write shows up as NaN.
+void set_debug_poison(bool on);
+bool debug_poison();
+
+}  // namespace flashsdpa

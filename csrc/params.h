@@ -1,0 +1,105 @@
+// AttnParams: everything a CPU kernel needs, as plain data.
+//
+// This header is included by the ISA-specific kernel sources, which are compiled with their own
+// -m flags. It must therefore stay free of torch / c10 / std headers with inline code: any inline
+// function instantiated in an AVX2 translation unit could be picked by the linker for a portable
+// caller (an ODR hazard that turns into an illegal instruction on older CPUs).
+#pragma once
+
+#include <stdint.h>
+
+namespace flashsdpa {
+
+// Element type of q/k/v/out (and of the gradients).
+enum class DType : int32_t { F32 = 0, BF16 = 1, F16 = 2 };
+
+// Element type of the attention mask. Bool masks mean "attend where true".
+enum class MaskType : int32_t { None = 0, Bool = 1, F32 = 2, BF16 = 3, F16 = 4 };
+
+// Strides are in elements. The last dimension of q/k/v/out/grads has stride 1 (ops.cpp makes it so).
+struct AttnParams {
+  DType dtype;
+  // sizes
+  int64_t B;    // batch
+  int64_t Hq;   // query heads
+  int64_t Hkv;  // key/value heads (Hq % Hkv == 0; group = Hq / Hkv)
+  int64_t Lq;   // query length
+  int64_t Lk;   // key/value length
+  int64_t D;    // q/k head dim
+  int64_t Dv;   // v/out head dim
+
+  // q: [B, Hq, Lq, D]   k: [B, Hkv, Lk, D]   v: [B, Hkv, Lk, Dv]   out: [B, Hq, Lq, Dv]
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  int64_t q_sb, q_sh, q_sl;
+  int64_t k_sb, k_sh, k_sl;
+  int64_t v_sb, v_sh, v_sl;
+  int64_t o_sb, o_sh, o_sl;
+
+  // logsumexp: [B, Hq, Lq] fp32, natural log of sum_j exp(scale * q.k_j + mask_j); 0 for rows
+  // with no key to attend to (PyTorch's convention: the backward then sees P = 0 for them).
+  float* lse;
+  int64_t lse_sb, lse_sh, lse_sl;
+
+  // Mask, broadcast to [B, Hq, Lq, Lk] through strides (0 on broadcast dims). Never expanded.
+  MaskType mask_type;
+  const void* mask;
+  int64_t m_sb, m_sh, m_sl, m_sk;
+
+  float scale;  // softmax scale (1/sqrt(D) by default)
+  bool causal;  // top-left aligned: row i attends to keys j <= i
+
+  // Dropout on the normalised probabilities: element (b, h, i, j) is kept with probability
+  // 1 - dropout_p (then scaled by 1/(1-p)); the keep bit comes from Philox(seed, offset, b, h, i, j).
+  float dropout_p;
+  uint64_t seed;
+  uint64_t offset;
+
+  // Backward only. dout: [B, Hq, Lq, Dv] (as out); dq like q; dk like k; dv like v.
+  const void* dout;
+  int64_t do_sb, do_sh, do_sl;
+  void* dq;
+  int64_t dq_sb, dq_sh, dq_sl;
+  void* dk;
+  int64_t dk_sb, dk_sh, dk_sl;
+  void* dv;
+  int64_t dv_sb, dv_sh, dv_sl;
+  // delta[b, h, i] = sum_d dout[b,h,i,d] * out[b,h,i,d] in fp32, contiguous [B, Hq, Lq].
+  float* delta;
+};
+
+// The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
+// ops.cpp runs the loop (at::parallel_for) and the tier runs the items.
+enum class Phase : int32_t {
+  Forward = 0,   // items: (b, hq, q-block)
+  BwdDelta = 1,  // items: (b, hq, q-block): delta = rowsum(dout * out)
+  BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
+  BwdDq = 3,     // items: (b, hq, q-block): dq
+};
+
+struct PhasePlan {
+  int64_t n_items;        // the phase's items are [0, n_items)
+  int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
+};
+
+// What one ISA tier provides. Item decomposition depends on the shape only (never on the
+// thread count), and each item is computed by one thread, so results are bit-identical at any
+// thread count.
+struct CpuTier {
+  const char* name;
+  PhasePlan (*plan)(const AttnParams& p, Phase phase);
+  void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch);
+  // Peak probe for bench/peak.py: `iters` rounds of independent FMAs on this tier's widest
+  // vectors; returns the number of floating-point operations performed.
+  double (*fma_probe)(int64_t iters, float* sink);
+};
+
+namespace cpu {
+// One getter per tier source file (csrc/cpu/tiers/<tier>.cpp); null where the tier is not built.
+const CpuTier* portable_tier();
+const CpuTier* avx2_tier();
+}  // namespace cpu
+
+}  // namespace flashsdpa

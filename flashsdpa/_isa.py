@@ -1,0 +1,38 @@
+"""CPU tier selection: cpu_isa() and the FLASHSDPA_CPU_ISA cap."""
+import contextlib
+import os
+
+import torch
+
+from . import _C
+
+TIERS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+ENV_VAR = "FLASHSDPA_CPU_ISA"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def configure_from_env():
+    """Applies FLASHSDPA_CPU_ISA (called at import). An unknown tier name raises ValueError and
+    a tier this CPU/OS cannot run raises RuntimeError, both naming the variable."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    _C.set_isa_cap(value)
+
+
+def cpu_isa(dtype=torch.float32):
+    """The CPU tier flashsdpa runs for `dtype`: the best tier that is built, that this CPU and OS
+    support, that implements the dtype, and that FLASHSDPA_CPU_ISA allows."""
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"flashsdpa.cpu_isa: dtype must be one of {list(_DTYPE_NAMES)}, "
+                         f"got {dtype}")
+    return _C.selected_isa(_DTYPE_NAMES[dtype])
+
+
+@contextlib.contextmanager
+def cap(tier):
+    """Temporarily cap the CPU tier (tests run the suite once per tier this way)."""
+    previous = _C.isa_cap()
+    _C.set_isa_cap(tier)
+    try:
+        yield
+    finally:
+        _C.set_isa_cap(previous or "")

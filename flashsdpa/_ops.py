@@ -1,0 +1,69 @@
+"""The flashsdpa ops: native CPU kernels (flashsdpa._C), fake kernels and autograd.
+
+torch.ops.flashsdpa.flash_attn_fwd(query, key, value, attn_mask=None, dropout_p=0.,
+                                   is_causal=False, *, scale=None)
+    -> (output, logsumexp, rng_state)
+torch.ops.flashsdpa.flash_attn_bwd(grad_out, query, key, value, out, logsumexp, rng_state,
+                                   attn_mask=None, dropout_p=0., is_causal=False, *, scale=None)
+    -> (grad_query, grad_key, grad_value)
+
+Layouts (the fake kernels below promise exactly what the CPU kernels return):
+    output     like torch.empty_like(query) (when head dims match; else contiguous)
+    logsumexp  float32 (B, H, L) stored as (B, L, H): natural-log LSE of scale*QK^T + mask
+    rng_state  int64 (seed, offset) of the dropout keep-mask; zeros without dropout
+    grads      (B, H, L, D) stored as (B, L, H, D), as PyTorch's CPU kernel lays them out
+"""
+import torch
+
+from . import _C  # noqa: F401  (loads the library that registers torch.ops.flashsdpa.*)
+
+flash_attn_fwd = torch.ops.flashsdpa.flash_attn_fwd.default
+flash_attn_bwd = torch.ops.flashsdpa.flash_attn_bwd.default
+
+
+def _output_like_query(query, dv):
+    if dv == query.shape[3]:
+        out = torch.empty_like(query)
+        if out.shape[3] <= 1 or out.stride(3) == 1:
+            return out
+    return query.new_empty((query.shape[0], query.shape[1], query.shape[2], dv))
+
+
+@torch.library.register_fake("flashsdpa::flash_attn_fwd")
+def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+    batch, heads, seq_q = query.shape[0], query.shape[1], query.shape[2]
+    out = _output_like_query(query, value.shape[3])
+    lse = query.new_empty((batch, seq_q, heads), dtype=torch.float32).transpose(1, 2)
+    rng_state = query.new_empty((2,), dtype=torch.int64)
+    return out, lse, rng_state
+
+
+@torch.library.register_fake("flashsdpa::flash_attn_bwd")
+def _bwd_fake(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask=None,
+              dropout_p=0.0, is_causal=False, *, scale=None):
+    def grad_like(t):
+        return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
+
+    return grad_like(query), grad_like(key), grad_like(value)
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
+    ctx.dropout_p = dropout_p
+    ctx.is_causal = is_causal
+    ctx.scale = keyword_only_inputs.get("scale")
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _backward(ctx, grad_out, _grad_lse, _grad_rng):
+    query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
+    dq, dk, dv = flash_attn_bwd(grad_out, query, key, value, out, lse, rng_state, attn_mask,
+                                ctx.dropout_p, ctx.is_causal, scale=ctx.scale)
+    # no gradient for the mask (masks that require grad are routed to PyTorch)
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("flashsdpa::flash_attn_fwd", _backward,
+                                setup_context=_setup_context)

@@ -1,0 +1,79 @@
+"""Build flashsdpa: one extension, flashsdpa._C, plus the pure-Python package and Triton kernels.
+
+csrc/ is split by how code is compiled:
+  * generic sources (op schemas, checks, registration, feature detection, bindings) are compiled
+    once with no ISA flags;
+  * each ISA tier's kernel source (csrc/cpu/tiers/<tier>.cpp) is compiled once with that tier's
+    flags only. Never -march=native: the binary must run on any CPU of its architecture, and the
+    best tier is picked at run time from CPUID.
+
+Build with torch already installed: pip install --no-build-isolation [-e] .
+"""
+import os
+import platform
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/module.cpp", "csrc/cpu/isa.cpp"]
+
+# tier name -> (source, compiler flags, build it on this architecture?)
+TIERS = {
+    "portable": ("csrc/cpu/tiers/portable.cpp", [], True),
+}
+
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+
+
+class TierBuildExtension(BuildExtension):
+    """Compiles each tier source with its own flags (through the same ninja machinery), then
+    links the objects into the extension with the generic sources."""
+
+    def build_extension(self, ext):
+        tier_objects = []
+        base = list(ext.extra_compile_args["cxx"])
+        for name, (src, flags, _) in ext._flashsdpa_tiers.items():
+            tier_objects += self.compiler.compile(
+                [src],
+                output_dir=os.path.join(self.build_temp, "tier_" + name),
+                macros=ext.define_macros,
+                include_dirs=ext.include_dirs,
+                extra_postargs=base + flags,
+                depends=ext.depends,
+            )
+        ext.extra_objects = list(ext.extra_objects or []) + tier_objects
+        super().build_extension(ext)
+
+
+def make_extension():
+    tiers = {k: v for k, v in TIERS.items() if v[2]}
+    macros = [("FLASHSDPA_BUILD_" + k.upper(), "1") for k in tiers if k != "portable"]
+    depends = [os.path.join("csrc", d, f) for d in ("", "cpu")
+               for f in os.listdir(os.path.join(ROOT, "csrc", d)) if f.endswith(".h")]
+    ext = CppExtension(
+        name="flashsdpa._C",
+        sources=GENERIC_SOURCES,
+        define_macros=macros,
+        extra_compile_args={"cxx": COMMON_FLAGS},
+        depends=depends,
+    )
+    ext._flashsdpa_tiers = tiers
+    return ext
+
+
+setup(
+    name="flashsdpa",
+    version="0.1.0",
+    description="Fused flash attention for CPUs (AVX2/AVX-512/AMX) and Intel GPUs (Triton), "
+    "behind torch.nn.functional.scaled_dot_product_attention",
+    packages=["flashsdpa", "flashsdpa.kernels"],
+    package_dir={"flashsdpa": "flashsdpa", "flashsdpa.kernels": "kernels"},
+    ext_modules=[make_extension()],
+    cmdclass={"build_ext": TierBuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.9",
+    install_requires=["torch"],
+    zip_safe=False,
+)

@@ -1,0 +1,173 @@
+"""Public API surface: enable/disable/enabled, explain, cpu_isa and FLASHSDPA_CPU_ISA, the
+`python -m flashsdpa` report, fallbacks, and feature detection through fake CPUID words."""
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import flashsdpa
+from flashsdpa import _C
+from conftest import make_qkv, reference_sdpa
+
+
+def test_enable_disable_enabled_nesting():
+    assert not flashsdpa.is_enabled()
+    flashsdpa.enable()
+    flashsdpa.enable()  # idempotent
+    assert flashsdpa.is_enabled()
+    flashsdpa.disable()
+    flashsdpa.disable()
+    assert not flashsdpa.is_enabled()
+    with flashsdpa.enabled():
+        assert flashsdpa.is_enabled()
+        with flashsdpa.enabled(False):
+            assert not flashsdpa.is_enabled()
+        assert flashsdpa.is_enabled()
+    assert not flashsdpa.is_enabled()
+    with pytest.raises(KeyError):
+        with flashsdpa.enabled():
+            raise KeyError("boom")
+    assert not flashsdpa.is_enabled(), "state restored after an exception"
+
+
+def test_enable_from_threads():
+    def toggle():
+        for _ in range(200):
+            flashsdpa.enable()
+            flashsdpa.disable()
+
+    threads = [threading.Thread(target=toggle) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not flashsdpa.is_enabled()
+
+
+def test_explain_names_tier_and_path():
+    q, k, v = make_qkv(1, 8, 2, 16, 16, 16, dtype=torch.bfloat16)
+    text = flashsdpa.explain(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.1)
+    assert f"tier '{flashsdpa.cpu_isa(torch.bfloat16)}'" in text
+    assert "bfloat16 widened to fp32" in text
+    assert "group 4" in text and "causal" in text and "dropout" in text
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("float64", "dtype torch.float64"),
+    ("5-D", "ranks query 5-D"),
+    ("mask grad", "attn_mask requires grad"),
+    ("dropout 1", "dropout_p == 1"),
+])
+def test_fallbacks_are_explained_and_correct(case, reason):
+    q, k, v = make_qkv(1, 2, 2, 6, 9, 8)
+    kwargs = {}
+    if case == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif case == "5-D":
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    elif case == "mask grad":
+        kwargs["attn_mask"] = torch.zeros(6, 9, requires_grad=True)
+    else:
+        kwargs["dropout_p"] = 1.0
+    text = flashsdpa.explain(q, k, v, **kwargs)
+    assert "declines" in text and reason in text and "runs instead" in text, text
+    out = flashsdpa.scaled_dot_product_attention(q, k, v, **kwargs)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.testing.assert_close(out, expected)
+    if case == "mask grad":
+        out.sum().backward()
+        assert kwargs["attn_mask"].grad is not None
+
+
+def test_cpu_isa_is_a_runnable_built_tier():
+    names = {t["name"]: t for t in _C.tiers()}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        t = names[flashsdpa.cpu_isa(dt)]
+        assert t["built"] and t["cpu_ok"]
+
+
+def _run_python(code, env_extra):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_env_cap_portable():
+    res = _run_python("import flashsdpa, torch; print(flashsdpa.cpu_isa(torch.float32))",
+                      {"FLASHSDPA_CPU_ISA": "portable"})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "portable"
+
+
+def test_env_cap_unknown_is_a_clear_error():
+    res = _run_python("import flashsdpa", {"FLASHSDPA_CPU_ISA": "sse9"})
+    assert res.returncode != 0
+    assert "FLASHSDPA_CPU_ISA='sse9' is not a tier" in res.stderr
+    assert "Segmentation" not in res.stderr
+
+
+def test_env_cap_unsupported_tier_is_a_clear_error():
+    missing = [t["name"] for t in _C.tiers() if not t["cpu_ok"]]
+    if not missing:
+        pytest.skip("this CPU runs every tier, so no tier is unsupported here")
+    res = _run_python("import flashsdpa", {"FLASHSDPA_CPU_ISA": missing[0]})
+    assert res.returncode != 0
+    assert f"FLASHSDPA_CPU_ISA={missing[0]}: this CPU/OS cannot run" in res.stderr
+
+
+def test_module_report():
+    res = subprocess.run([sys.executable, "-m", "flashsdpa"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    for fragment in ("flashsdpa", "torch", "CPU:", "selected per dtype", "Triton:", "XPU:"):
+        assert fragment in res.stdout
+    assert "import triton" not in res.stderr
+
+
+def test_import_does_not_import_triton():
+    res = _run_python("import sys, flashsdpa; print('triton' in sys.modules)", {})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+# ---- feature detection with fake CPUID / XCR0 words ------------------------------------------------
+ECX_FMA, ECX_OSXSAVE, ECX_AVX, ECX_F16C = 1 << 12, 1 << 27, 1 << 28, 1 << 29
+EBX_AVX2, EBX_512F, EBX_512DQ, EBX_512BW, EBX_512VL = 1 << 5, 1 << 16, 1 << 17, 1 << 30, 1 << 31
+EDX_AMX_BF16, EDX_AMX_TILE = 1 << 22, 1 << 24
+EAX_512BF16 = 1 << 5
+XCR0_AVX, XCR0_512, XCR0_AMX = 0b110, 0b11100000, (1 << 17) | (1 << 18)
+HASWELL = dict(leaf1_ecx=ECX_FMA | ECX_OSXSAVE | ECX_AVX | ECX_F16C, leaf7_ebx=EBX_AVX2,
+               xcr0=0b111)
+SKX = dict(HASWELL, leaf7_ebx=EBX_AVX2 | EBX_512F | EBX_512DQ | EBX_512BW | EBX_512VL,
+           xcr0=0b111 | XCR0_512)
+SPR = dict(SKX, leaf7_edx=EDX_AMX_BF16 | EDX_AMX_TILE, leaf7_1_eax=EAX_512BF16,
+           xcr0=0b111 | XCR0_512 | XCR0_AMX)
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({}, ["portable"]),
+    (HASWELL, ["portable", "avx2"]),
+    (dict(HASWELL, xcr0=0b11), ["portable"]),                    # OS does not save YMM
+    (dict(HASWELL, leaf1_ecx=HASWELL["leaf1_ecx"] & ~ECX_OSXSAVE), ["portable"]),
+    (dict(HASWELL, leaf1_ecx=HASWELL["leaf1_ecx"] & ~ECX_FMA), ["portable"]),
+    (SKX, ["portable", "avx2", "avx512"]),
+    (dict(SKX, xcr0=0b111), ["portable", "avx2"]),                # OS does not save ZMM
+    (dict(SKX, leaf7_1_eax=EAX_512BF16), ["portable", "avx2", "avx512", "avx512_bf16"]),
+    (SPR, ["portable", "avx2", "avx512", "avx512_bf16", "amx"]),
+    (dict(SPR, xcr0=SKX["xcr0"]), ["portable", "avx2", "avx512", "avx512_bf16"]),  # no tile state
+])
+def test_decode_fake_cpuid(raw, expected):
+    assert _C.decode_features(raw)["runnable_tiers"] == expected
+
+
+def test_decode_non_x86_is_portable_only():
+    assert _C.decode_features(SPR, is_x86=False)["runnable_tiers"] == ["portable"]
+
+
+def test_direct_api_matches_reference_smoke():
+    q, k, v = make_qkv(1, 2, 2, 10, 12, 8)
+    torch.testing.assert_close(flashsdpa.scaled_dot_product_attention(q, k, v),
+                               reference_sdpa(q, k, v).float(), atol=1e-5, rtol=1e-5)

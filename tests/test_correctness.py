@@ -1,0 +1,129 @@
+"""Forward and gradients against the fp64 reference, for every runnable tier: odd shapes, every
+dtype, causal, GQA, Lq != Lk, Dv != D, strided / permuted / NaN-padded layouts, scale."""
+import pytest
+import torch
+
+import flashsdpa
+from conftest import DTYPE_IDS, DTYPES, check_forward_backward, make_qkv, num_threads
+
+# (B, Hq, Hkv, L, S, D, Dv)
+SHAPES = [
+    (1, 1, 1, 1, 1, 8, 8),
+    (2, 3, 3, 17, 17, 59, 59),
+    (1, 2, 2, 97, 97, 80, 80),
+    (1, 1, 1, 1025, 1025, 8, 8),
+    (1, 2, 2, 17, 1025, 128, 128),
+    (1, 1, 1, 130, 130, 256, 256),
+    (1, 2, 2, 97, 33, 64, 64),
+]
+
+
+def _id(shape):
+    return "B{}H{}/{}L{}S{}D{}Dv{}".format(*shape)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_id)
+def test_shapes(tier, shape, causal, dtype):
+    B, Hq, Hkv, L, S, D, Dv = shape
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, D, Dv, dtype=dtype)
+    check_forward_backward(q, k, v, dtype, f"{tier} {_id(shape)}", is_causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("layout", ["blhd", "padded"])
+def test_layouts(tier, layout, dtype):
+    """(B, L, H, D) buffers viewed as (B, H, L, D), and views into NaN-filled buffers (any
+    out-of-bounds read turns into NaN)."""
+    q, k, v = make_qkv(2, 4, 4, 45, 70, 40, dtype=dtype, layout=layout)
+    check_forward_backward(q, k, v, dtype, f"{tier} {layout}", is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_head_dims_differ(tier, dtype):
+    q, k, v = make_qkv(2, 2, 2, 33, 50, 48, Dv=24, dtype=dtype)
+    check_forward_backward(q, k, v, dtype, f"{tier} Dv!=D", is_causal=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 1), (6, 3)], ids=lambda h: f"{h[0]}/{h[1]}")
+def test_gqa(tier, heads, causal, dtype):
+    q, k, v = make_qkv(2, heads[0], heads[1], 37, 53, 32, dtype=dtype)
+    check_forward_backward(q, k, v, dtype, f"{tier} gqa", is_causal=causal, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_scale_and_large_scores(tier, dtype):
+    """A custom scale, and scores in the hundreds (the online softmax must not overflow)."""
+    q, k, v = make_qkv(1, 2, 2, 70, 90, 64, dtype=dtype)
+    check_forward_backward(q, k, v, dtype, f"{tier} scale", scale=0.37)
+    q_big = (q.float() * 12).to(dtype)
+    check_forward_backward(q_big, k, v, dtype, f"{tier} large scores", is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_3d_inputs(tier, dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 29, 16, generator=g).to(dtype)
+    k = torch.randn(3, 41, 16, generator=g).to(dtype)
+    v = torch.randn(3, 41, 16, generator=g).to(dtype)
+    mask = torch.randn(3, 29, 41, generator=g)
+    check_forward_backward(q, k, v, dtype, f"{tier} 3-D", attn_mask=mask)
+
+
+def test_batch_broadcast_kv(tier):
+    """key/value with batch 1 broadcast against a query batch (read through stride 0)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 2, 20, 16, generator=g)
+    k = torch.randn(1, 2, 30, 16, generator=g)
+    v = torch.randn(1, 2, 30, 16, generator=g)
+    check_forward_backward(q, k, v, torch.float32, f"{tier} kv batch broadcast")
+
+
+@pytest.mark.parametrize("L,S", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences(tier, L, S):
+    q, k, v = make_qkv(1, 2, 2, L, S, 8, requires_grad=True)
+    out = flashsdpa.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (1, 2, L, 8)
+    assert torch.equal(out, torch.zeros_like(out)), "no keys: output must be 0"
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.equal(t.grad, torch.zeros_like(t)), "no keys/queries: zero gradients"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_bit_identical_across_runs_and_threads(tier, causal, dtype):
+    """Items are split by shape only and each is computed by one thread: results must not
+    depend on the run or on the thread count, forward and backward."""
+    q, k, v = make_qkv(2, 4, 2, 150, 300, 64, dtype=dtype)
+
+    def run(threads):
+        with num_threads(threads):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = flashsdpa.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                         enable_gqa=True)
+            out.backward(torch.ones_like(out))
+            return [out.detach()] + [t.grad for t in leaves]
+
+    a, b, c = run(2), run(2), run(1)
+    for x, y, z, name in zip(a, b, c, ("out", "dq", "dk", "dv")):
+        assert torch.equal(x, y), f"{name} differs between two identical runs"
+        assert torch.equal(x, z), f"{name} differs between 1 and 2 threads"
+
+
+def test_tiers_agree():
+    """Every runnable tier against the portable anchor (within fp32 rounding)."""
+    from conftest import RUNNABLE_TIERS
+    from flashsdpa._isa import cap
+    q, k, v = make_qkv(2, 4, 2, 77, 130, 72)
+    results = {}
+    for t in RUNNABLE_TIERS:
+        with cap(t):
+            results[t] = flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                enable_gqa=True)
+    for t, out in results.items():
+        torch.testing.assert_close(out, results["portable"], atol=2e-6, rtol=1e-5,
+                                   msg=lambda m: f"tier {t} vs portable: {m}")

@@ -1,0 +1,104 @@
+"""The ops as PyTorch sees them: opcheck (schema, fake kernels, autograd registration, AOT
+dispatch), output layouts, torch.compile with no graph break, profiler ranges."""
+import pytest
+import torch
+
+import flashsdpa
+from conftest import check_forward_backward, make_qkv
+
+fwd_op = torch.ops.flashsdpa.flash_attn_fwd.default
+bwd_op = torch.ops.flashsdpa.flash_attn_bwd.default
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "blhd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_forward(layout, dtype):
+    q, k, v = make_qkv(2, 4, 2, 9, 13, 16, dtype=dtype, layout=layout, requires_grad=True)
+    mask = torch.randn(2, 1, 9, 13)
+    torch.library.opcheck(fwd_op, (q, k, v, mask, 0.0, True), {"scale": 0.3})
+    torch.library.opcheck(fwd_op, (q, k, v))
+
+
+def test_opcheck_backward():
+    q, k, v = make_qkv(1, 2, 2, 7, 11, 8, layout="blhd")
+    out, lse, rng = fwd_op(q, k, v, None, 0.0, False)
+    torch.library.opcheck(bwd_op, (torch.randn_like(out), q, k, v, out, lse, rng, None, 0.0,
+                                   False))
+
+
+def test_layouts_match_pytorch():
+    """Output like empty_like(query); LSE (B,H,L) on a (B,L,H) buffer; grads on (B,L,H,D)."""
+    q, k, v = make_qkv(2, 3, 3, 5, 7, 8, layout="blhd", requires_grad=True)
+    out, lse, _ = fwd_op(q, k, v)
+    ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    assert out.stride() == ref_out.stride()
+    assert lse.stride() == ref_lse.stride()
+    torch.testing.assert_close(lse, ref_lse)
+    dq, dk, dv = bwd_op(torch.ones_like(out), q, k, v, out, lse, torch.zeros(2, dtype=torch.long),
+                        None, 0.0, False)
+    rq, rk, rv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        torch.ones_like(out), q, k, v, ref_out, ref_lse, 0.0, False)
+    for ours, theirs in ((dq, rq), (dk, rk), (dv, rv)):
+        assert ours.stride() == theirs.stride()
+    qc, kc, vc = make_qkv(2, 3, 3, 5, 7, 8)
+    assert fwd_op(qc, kc, vc)[0].stride() == qc.stride()
+
+
+def _train_step(q, k, v, mask):
+    out = flashsdpa.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    return (out * out).sum()
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph(backend):
+    torch._dynamo.reset()
+    q, k, v = make_qkv(2, 4, 2, 33, 33, 16, requires_grad=True)
+    mask = torch.randn(33, 33)
+    compiled = torch.compile(
+        lambda q, k, v, m: flashsdpa.scaled_dot_product_attention(
+            q, k, v, attn_mask=m, is_causal=True, enable_gqa=True),
+        fullgraph=True, backend=backend)
+    out = compiled(q, k, v, mask)
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    eager = flashsdpa.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=True,
+                                                   enable_gqa=True)
+    torch.testing.assert_close(out, eager)
+    out.sum().backward()
+    eager.sum().backward()
+    for a, b in zip((q, k, v), ref):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_compiled_graph_holds_our_op():
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 8)
+    torch.compile(lambda q, k, v: flashsdpa.scaled_dot_product_attention(q, k, v),
+                  fullgraph=True, backend=backend)(q, k, v)
+    assert any("flashsdpa.flash_attn_fwd" in s for s in seen), seen
+
+
+def test_profiler_names_kernels():
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 16, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        flashsdpa.scaled_dot_product_attention(q, k, v).sum().backward()
+    names = {e.name for e in prof.events()}
+    for expected in ("flashsdpa::flash_attn_fwd", "flashsdpa::flash_attn_bwd"):
+        assert expected in names
+    assert any(n.startswith("flashsdpa::cpu_forward[") for n in names), names
+    assert any(n.startswith("flashsdpa::cpu_bwd_dq[") for n in names), names
+
+
+def test_autocast_bf16_runs_in_bf16():
+    q, k, v = make_qkv(1, 2, 2, 16, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flashsdpa.scaled_dot_product_attention(q, k, v)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    check_forward_backward(q.bfloat16(), k.bfloat16(), v.bfloat16(), torch.bfloat16, "autocast",
+                           backward=False)

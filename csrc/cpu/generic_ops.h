@@ -18,9 +18,55 @@ namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
+// 4-float vectors from the compiler's generic vector extension (GCC / Clang): SSE2 on x86-64,
+// NEON on aarch64, scalar code elsewhere. Not ISA intrinsics: this stays portable C++.
+typedef float vf4 __attribute__((vector_size(16)));
+typedef int32_t vi4 __attribute__((vector_size(16)));
+
+inline vf4 vload(const float* p) {
+  vf4 v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void vstore(float* p, vf4 v) { memcpy(p, &v, sizeof(v)); }
+inline vf4 vsplat(float x) { return vf4{x, x, x, x}; }
+inline vf4 vselect(vi4 mask, vf4 a, vf4 b) {  // mask lanes are all-ones or zero
+  return (vf4)((mask & (vi4)a) | (~mask & (vi4)b));
+}
+inline vf4 vmax(vf4 a, vf4 b) { return vselect(a > b, a, b); }
+inline float hmax(vf4 v) {
+  const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+  return a > b ? a : b;
+}
+inline float hsum(vf4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
+
+// exp2 of 4 lanes, the same method as exp2_poly (scalar.h): 2^n * e^(f ln2), n = rint(x).
+inline vf4 vexp2(vf4 x) {
+  const vf4 hi = vsplat(127.0f), lo = vsplat(-126.0f);
+  vf4 xc = vselect(x > hi, hi, x);
+  xc = vselect(xc >= lo, xc, lo);  // also maps NaN to -126
+  const vf4 magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf4 t = xc + magic;
+  const vf4 n = t - magic;
+  const vf4 f = (xc - n) * vsplat(kLn2);
+  vf4 p = vsplat(1.0f / 5040.0f);
+  p = p * f + vsplat(1.0f / 720.0f);
+  p = p * f + vsplat(1.0f / 120.0f);
+  p = p * f + vsplat(1.0f / 24.0f);
+  p = p * f + vsplat(1.0f / 6.0f);
+  p = p * f + vsplat(0.5f);
+  p = p * f + vsplat(1.0f);
+  p = p * f + vsplat(1.0f);
+  const vi4 ni = (vi4)t - (vi4)magic;  // the integer n, from the low mantissa bits
+  const vf4 scale = (vf4)((ni + 127) << 23);
+  const vf4 r = p * scale;
+  const vf4 zero = vsplat(0.0f);
+  return vselect(x != x, x, vselect(x < lo, zero, r));
+}
+
 struct GenericOps {
-  static constexpr int NR = 16;  // panel width
-  static constexpr int MR = 4;   // rows per micro-tile
+  static constexpr int NR = 8;   // panel width: 2 vectors
+  static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
   static constexpr int kBlockQ = 64;  // query rows per block (fewer when Lq is shorter)
 
   // dst[i*ldd + d] = src[i*ld + d] for i < rows, d < cols.
@@ -73,23 +119,24 @@ struct GenericOps {
   template <bool TransA, int R>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate) {
-    float acc[R][NR];
-    for (int i = 0; i < R; ++i)
-      for (int j = 0; j < NR; ++j) acc[i][j] = 0.0f;
+    vf4 acc0[R], acc1[R];
+    for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = vsplat(0.0f);
     for (int kk = 0; kk < K; ++kk) {
-      const float* b = panel + int64_t(kk) * NR;
+      const vf4 b0 = vload(panel + int64_t(kk) * NR), b1 = vload(panel + int64_t(kk) * NR + 4);
       for (int i = 0; i < R; ++i) {
-        const float av = TransA ? a[int64_t(kk) * lda + i] : a[int64_t(i) * lda + kk];
-        for (int j = 0; j < NR; ++j) acc[i][j] += av * b[j];
+        const vf4 av = vsplat(TransA ? a[int64_t(kk) * lda + i] : a[int64_t(i) * lda + kk]);
+        acc0[i] += av * b0;
+        acc1[i] += av * b1;
       }
     }
     for (int i = 0; i < R; ++i) {
       float* cr = c + int64_t(i) * ldc;
       if (accumulate) {
-        for (int j = 0; j < NR; ++j) cr[j] += acc[i][j];
-      } else {
-        for (int j = 0; j < NR; ++j) cr[j] = acc[i][j];
+        acc0[i] += vload(cr);
+        acc1[i] += vload(cr + 4);
       }
+      vstore(cr, acc0[i]);
+      vstore(cr + 4, acc1[i]);
     }
   }
 
@@ -107,9 +154,15 @@ struct GenericOps {
         const float* ai = TransA ? a + i : a + int64_t(i) * lda;
         micro_tile<TransA, MR>(K, ai, lda, panel, cp + int64_t(i) * ldc, ldc, accumulate);
       }
-      for (; i < M; ++i) {
-        const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-        micro_tile<TransA, 1>(K, ai, lda, panel, cp + int64_t(i) * ldc, ldc, accumulate);
+      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
+      float* ci = cp + int64_t(i) * ldc;
+      switch (M - i) {  // remainder rows
+        case 5: micro_tile<TransA, 5>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 4: micro_tile<TransA, 4>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 3: micro_tile<TransA, 3>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 2: micro_tile<TransA, 2>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 1: micro_tile<TransA, 1>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        default: break;
       }
     }
   }
@@ -117,26 +170,43 @@ struct GenericOps {
   // s[j] = s[j] * scale_log2 + madd[j] for j < valid (madd may be null), s[j] = -inf for
   // valid <= j < n. Returns max_j s[j] (-inf if every column is masked).
   static float score_row(float* s, int n, float scale_log2, const float* madd, int valid) {
-    float mx = kNegInf;
+    const vf4 sc = vsplat(scale_log2);
+    vf4 mx4 = vsplat(kNegInf);
+    int j = 0;
     if (madd) {
-      for (int j = 0; j < valid; ++j) {
-        s[j] = s[j] * scale_log2 + madd[j];
-        mx = s[j] > mx ? s[j] : mx;
+      for (; j + 4 <= valid; j += 4) {
+        const vf4 x = vload(s + j) * sc + vload(madd + j);
+        vstore(s + j, x);
+        mx4 = vmax(mx4, x);
       }
     } else {
-      for (int j = 0; j < valid; ++j) {
-        s[j] = s[j] * scale_log2;
-        mx = s[j] > mx ? s[j] : mx;
+      for (; j + 4 <= valid; j += 4) {
+        const vf4 x = vload(s + j) * sc;
+        vstore(s + j, x);
+        mx4 = vmax(mx4, x);
       }
     }
-    for (int j = valid; j < n; ++j) s[j] = kNegInf;
+    float mx = hmax(mx4);
+    for (; j < valid; ++j) {
+      s[j] = s[j] * scale_log2 + (madd ? madd[j] : 0.0f);
+      mx = s[j] > mx ? s[j] : mx;
+    }
+    for (; j < n; ++j) s[j] = kNegInf;
     return mx;
   }
 
   // s[j] = exp2(s[j] - m) for j < n; returns the sum. m must be finite.
   static float exp2_row_sum(float* s, int n, float m) {
-    float sum = 0.0f;
-    for (int j = 0; j < n; ++j) {
+    const vf4 m4 = vsplat(m);
+    vf4 sum4 = vsplat(0.0f);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+      const vf4 e = vexp2(vload(s + j) - m4);
+      vstore(s + j, e);
+      sum4 += e;
+    }
+    float sum = hsum(sum4);
+    for (; j < n; ++j) {
       s[j] = exp2_poly(s[j] - m);
       sum += s[j];
     }
@@ -144,7 +214,10 @@ struct GenericOps {
   }
 
   static void scale_row(float* x, int n, float a) {
-    for (int j = 0; j < n; ++j) x[j] *= a;
+    const vf4 a4 = vsplat(a);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) vstore(x + j, vload(x + j) * a4);
+    for (; j < n; ++j) x[j] *= a;
   }
 
   // dst[j] = round(src[j] * mul) for j < n.

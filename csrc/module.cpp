@@ -1,6 +1,5 @@
-// Python bindings of flashsdpa._C: CPU feature report, tier selection, test hooks and the probes
-// that bench/peak.py times. The ops themselves are registered with TORCH_LIBRARY in ops.cpp.
-#include <ATen/Parallel.h>
+// Python bindings of flashsdpa._C: CPU feature report, tier selection and test hooks.
+// The ops themselves are registered with TORCH_LIBRARY in ops.cpp.
 #include <torch/extension.h>
 
 #include <string>
@@ -73,51 +72,6 @@ py::list tiers_list() {
     out.append(t);
   }
   return out;
-}
-
-// Runs `iters` rounds of the tier's FMA probe on every thread of PyTorch's pool; returns flops.
-double fma_probe(const std::string& tier_name, int64_t iters) {
-  const Isa isa = parse_isa_or_throw(tier_name);
-  const flashsdpa::CpuTier* tier = flashsdpa::cpu::built_tier(isa);
-  TORCH_CHECK(tier && flashsdpa::cpu::host_features().can_run[int(isa)], "flashsdpa: tier ",
-              tier_name, " is not built or not runnable here");
-  const int nt = at::get_num_threads();
-  std::vector<double> flops(nt, 0.0);
-  std::vector<float> sink(nt * 16, 0.0f);
-  at::parallel_for(0, nt, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) flops[t] = tier->fma_probe(iters, &sink[t * 16]);
-  });
-  double total = 0.0;
-  for (double x : flops) total += x;
-  return total;
-}
-
-// Reads every element of a contiguous fp32 tensor once on all threads (bench/peak.py times it).
-double read_probe(const at::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
-              "flashsdpa: read_probe needs a contiguous float32 CPU tensor");
-  const float* x = t.data_ptr<float>();
-  const int64_t n = t.numel();
-  constexpr int64_t kLanes = 16;  // independent accumulators, so the loop vectorises
-  const int64_t chunk = 1 << 16;
-  const int64_t n_chunks = (n + chunk - 1) / chunk;
-  std::vector<double> partial(n_chunks, 0.0);  // one slot per chunk: no sharing between threads
-  at::parallel_for(0, n_chunks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t c = b; c < e; ++c) {
-      float acc[kLanes] = {};
-      const int64_t lo = c * chunk, hi = std::min(n, lo + chunk);
-      int64_t i = lo;
-      for (; i + kLanes <= hi; i += kLanes)
-        for (int64_t j = 0; j < kLanes; ++j) acc[j] += x[i + j];
-      for (; i < hi; ++i) acc[0] += x[i];
-      double s = 0.0;
-      for (float a : acc) s += a;
-      partial[c] = s;
-    }
-  });
-  double s = 0.0;
-  for (double v : partial) s += v;
-  return s;
 }
 
 // keep[b, h, i, j] of a dropout call: the exact bits the kernels use (for reference tests).
@@ -199,9 +153,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("dtype"));
   m.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
   m.def("debug_poison", &flashsdpa::debug_poison);
-  m.def("fma_probe", &fma_probe, py::arg("tier"), py::arg("iters"),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("read_probe", &read_probe, py::arg("tensor"), py::call_guard<py::gil_scoped_release>());
   m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

@@ -91,9 +91,6 @@ struct CpuTier {
   const char* name;
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch);
-  // Peak probe for bench/peak.py: `iters` rounds of independent FMAs on this tier's widest
-  // vectors; returns the number of floating-point operations performed.
-  double (*fma_probe)(int64_t iters, float* sink);
 };
 
 namespace cpu {

@@ -72,12 +72,12 @@ struct TierImpl {
 }  // namespace cpu
 }  // namespace flashsdpa
 
-#define FLASHSDPA_DEFINE_TIER(getter, OPS, NAME, PROBE)                                        \
+#define FLASHSDPA_DEFINE_TIER(getter, OPS, NAME)                                        \
   namespace flashsdpa {                                                                         \
   namespace cpu {                                                                               \
   const CpuTier* getter() {                                                                     \
     static const CpuTier tier{NAME, &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::plan, \
-                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run, PROBE}; \
+                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run};        \
     return &tier;                                                                               \
   }                                                                                             \
   }                                                                                             \

@@ -1,0 +1,46 @@
+# flashsdpa: `make test` and `make bench` work on a fresh clone: each creates (or reuses) the
+# virtual environment .venv, installs the pinned dependencies, builds the extension, and runs.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DEPS   := torch==2.13.0 triton==3.7.1 numpy pybind11 ninja pytest
+STAMP  := $(VENV)/.deps-installed
+BENCH_ARGS ?=
+
+.PHONY: all test bench build deps peak bench-all readme-table clean
+
+all: test
+
+$(STAMP): Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet $(DEPS)
+	@touch $@
+
+deps: $(STAMP)
+
+# Incremental: ninja only recompiles what changed.
+build: $(STAMP)
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+
+test: build
+	$(PY) -m pytest -q tests
+
+# The default microbenchmark: forward, public suite, fp32 + bf16, causal and not, vs PyTorch.
+bench: build
+	$(PY) bench/bench_sdpa.py $(BENCH_ARGS)
+
+peak: build
+	$(PY) bench/peak.py
+
+# Every mode, then the README performance table regenerated from those results.
+bench-all: build
+	$(PY) bench/bench_sdpa.py --mode fwd
+	$(PY) bench/bench_sdpa.py --mode train --repeats 3
+	$(PY) bench/bench_sdpa.py --mode decode
+	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json
+
+readme-table:
+	$(PY) bench/report.py --readme README.md bench/results/*.json
+
+clean:
+	rm -rf build *.egg-info flashsdpa/_C*.so bench/.build

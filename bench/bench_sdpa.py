@@ -1,0 +1,326 @@
+"""Microbenchmark: flashsdpa against PyTorch's own SDPA kernels, side by side in one process.
+
+Providers (--providers, comma separated):
+    flashsdpa    flashsdpa.scaled_dot_product_attention (the direct API)
+    torch_flash  F.scaled_dot_product_attention forced to PyTorch's flash CPU kernel
+    torch_math   F.scaled_dot_product_attention forced to PyTorch's math kernel
+Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache).
+
+For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
+to last ~20 ms; the table shows medians, GFLOP/s (GB/s of K+V for decode), the speedup against
+torch_flash and the fraction of the machine's peak measured by bench/peak.py. Results also go to
+JSON and CSV (bench/results/) with the CPU model, tiers, threads and versions.
+
+    python bench/bench_sdpa.py                       # default: fwd, public suite, fp32+bf16
+    python bench/bench_sdpa.py --mode train --dtypes bf16 --causal yes
+    python bench/bench_sdpa.py --mode decode
+    python bench/bench_sdpa.py --shapes 1x16x1024x64,1x16/4x1024x128   # BxH[/Hkv]xLxD
+"""
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import peak  # noqa: E402
+
+import flashsdpa  # noqa: E402
+from flashsdpa import _C  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (B, Hq, Hkv, L, D): the public prefill suite
+PREFILL_SUITE = [
+    (1, 16, 16, 1024, 64),
+    (4, 16, 16, 512, 64),
+    (1, 32, 32, 2048, 128),
+    (1, 8, 8, 4096, 64),
+    (8, 12, 12, 256, 64),
+    (1, 16, 4, 1024, 128),
+]
+# (B, Hq, Hkv, KV length, D): the public decode suite, q_len = 1
+DECODE_SUITE = [
+    (1, 32, 32, 4096, 128),
+    (8, 32, 32, 2048, 128),
+    (1, 32, 32, 16384, 128),
+    (1, 32, 8, 8192, 128),
+]
+# Small cases for smoke tests of this script
+TINY_SUITE = [(1, 2, 2, 64, 32), (1, 4, 2, 96, 16)]
+TINY_DECODE = [(1, 4, 2, 256, 32)]
+
+
+# ---- providers -------------------------------------------------------------------------------------
+def _torch_with(backend):
+    def call(q, k, v, causal, gqa):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return call
+
+
+def _flashsdpa(q, k, v, causal, gqa):
+    return flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+PROVIDERS = {
+    "flashsdpa": _flashsdpa,
+    "torch_flash": _torch_with(SDPBackend.FLASH_ATTENTION),
+    "torch_math": _torch_with(SDPBackend.MATH),
+}
+
+
+# ---- cost model ------------------------------------------------------------------------------------
+def visible_pairs(L, S, causal):
+    """(query, key) pairs that take part: all, or the top-left causal triangle."""
+    if not causal:
+        return L * S
+    full = max(0, L - S)            # rows i >= S - 1 see every key
+    tri = min(L, S)
+    return tri * (tri + 1) // 2 + full * S
+
+
+def flops(B, Hq, L, S, D, causal, mode):
+    fwd = 4.0 * B * Hq * visible_pairs(L, S, causal) * D  # QK^T and PV
+    return fwd * 3.5 if mode == "train" else fwd          # backward = 2.5x forward (5 GEMMs)
+
+
+def kv_bytes(B, Hkv, S, D, dtype):
+    return 2.0 * B * Hkv * S * D * torch.empty((), dtype=dtype).element_size()
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+def make_step(fn, q, k, v, causal, gqa, mode):
+    if mode != "train":
+        def step():
+            with torch.no_grad():
+                fn(q, k, v, causal, gqa)
+        return step
+    grad = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v, causal, gqa).backward(grad)
+    return step
+
+
+def time_case(steps, repeats, target_s=0.02):
+    """Interleaved medians: {provider: [seconds per call, ...]}."""
+    inner = {}
+    for name, step in steps.items():  # warm-up, and calls per sample so a sample is ~target_s
+        t0 = time.perf_counter()
+        step()
+        dt = time.perf_counter() - t0
+        inner[name] = max(1, min(1000, int(target_s / max(dt, 1e-7))))
+    samples = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            n = inner[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                step()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return samples
+
+
+# ---- cases -----------------------------------------------------------------------------------------
+def parse_shapes(spec, mode):
+    if spec == "suite":
+        return DECODE_SUITE if mode == "decode" else PREFILL_SUITE
+    if spec == "tiny":
+        return TINY_DECODE if mode == "decode" else TINY_SUITE
+    shapes = []
+    for item in spec.split(","):
+        b, h, l, d = item.split("x")
+        hq, _, hkv = h.partition("/")
+        shapes.append((int(b), int(hq), int(hkv or hq), int(l), int(d)))
+    return shapes
+
+
+def run(args):
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    providers = args.providers.split(",")
+    for p in providers:
+        if p not in PROVIDERS:
+            raise SystemExit(f"unknown provider {p!r}; choose from {', '.join(PROVIDERS)}")
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    causal_opts = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    if args.mode == "decode":
+        causal_opts = [False]  # q_len = 1 sees the whole cache either way
+    shapes = parse_shapes(args.shapes, args.mode)
+
+    pk = peak.measure(threads, read_mib=args.peak_read_mib) if not args.no_peak else None
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _C.cpu_brand(),
+        "machine": platform.machine(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "flashsdpa": flashsdpa.__version__,
+        "python": platform.python_version(),
+        "tiers": {name: flashsdpa.cpu_isa(dt) for name, dt in DTYPES.items()},
+        "isa_cap": _C.isa_cap(),
+        "mode": args.mode,
+        "repeats": args.repeats,
+        "peak": pk,
+    }
+    rows = []
+    started = time.perf_counter()
+    for (B, Hq, Hkv, L, D) in shapes:
+        for dtype in dtypes:
+            for causal in causal_opts:
+                Lq = 1 if args.mode == "decode" else L
+                g = torch.Generator().manual_seed(0)
+                q = torch.randn(B, Hq, Lq, D, generator=g).to(dtype)
+                k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+                v = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+                if args.mode == "train":
+                    for t in (q, k, v):
+                        t.requires_grad_(True)
+                gqa = Hq != Hkv
+                steps = {p: make_step(PROVIDERS[p], q, k, v, causal, gqa, args.mode)
+                         for p in providers}
+                samples = time_case(steps, args.repeats)
+                rows += summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples, pk)
+                if args.budget and time.perf_counter() - started > args.budget:
+                    print(f"# time budget of {args.budget}s reached; stopping early",
+                          file=sys.stderr)
+                    return meta, rows
+    return meta, rows
+
+
+def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
+    base = statistics.median(samples["torch_flash"]) if "torch_flash" in samples else None
+    out = []
+    for name, ts in samples.items():
+        med = statistics.median(ts)
+        q20, q80 = (statistics.quantiles(ts, n=5)[0], statistics.quantiles(ts, n=5)[-1]) \
+            if len(ts) >= 2 else (ts[0], ts[0])
+        row = {
+            "mode": mode, "provider": name, "B": B, "Hq": Hq, "Hkv": Hkv, "Lq": Lq, "S": S, "D": D,
+            "dtype": str(dtype).replace("torch.", ""), "causal": causal,
+            "ms": med * 1e3, "ms_p20": q20 * 1e3, "ms_p80": q80 * 1e3,
+            "speedup_vs_torch_flash": (base / med) if base else None,
+        }
+        if mode == "decode":
+            gbs = kv_bytes(B, Hkv, S, D, dtype) / med * 1e-9
+            row["GB/s"] = gbs
+            row["frac_peak"] = gbs / pk["read_gbs"] if pk else None
+        else:
+            gf = flops(B, Hq, Lq, S, D, causal, mode) / med * 1e-9
+            row["GFLOP/s"] = gf
+            row["frac_peak"] = gf / pk["fma_peak_gflops"] if pk else None
+        out.append(row)
+    return out
+
+
+# ---- output ----------------------------------------------------------------------------------------
+def geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def markdown(meta, rows):
+    mode = meta["mode"]
+    rate = "GB/s" if mode == "decode" else "GFLOP/s"
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    head = ["shape (B,H/Hkv,L,S,D)", "dtype", "causal"]
+    for p in providers:
+        head += [f"{p} ms", f"{p} {rate}"]
+    if "torch_flash" in providers:
+        head += [f"{p} vs torch_flash" for p in providers if p != "torch_flash"]
+    head.append("flashsdpa % peak" if "flashsdpa" in providers else "% peak")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cases = {}
+    for r in rows:
+        key = (r["B"], r["Hq"], r["Hkv"], r["Lq"], r["S"], r["D"], r["dtype"], r["causal"])
+        cases.setdefault(key, {})[r["provider"]] = r
+    speedups = {}
+    for key, by_p in cases.items():
+        B, Hq, Hkv, Lq, S, D, dt, causal = key
+        heads = f"{Hq}/{Hkv}" if Hq != Hkv else f"{Hq}"
+        cells = [f"{B},{heads},{Lq},{S},{D}", dt, "yes" if causal else "no"]
+        for p in providers:
+            r = by_p.get(p)
+            cells += [f"{r['ms']:.2f}", f"{r[rate]:.1f}"] if r else ["-", "-"]
+        if "torch_flash" in providers:
+            for p in providers:
+                if p == "torch_flash":
+                    continue
+                s = by_p.get(p, {}).get("speedup_vs_torch_flash")
+                cells.append(f"{s:.2f}x" if s else "-")
+                if s:
+                    speedups.setdefault((p, dt, causal), []).append(s)
+        main = by_p.get("flashsdpa") or next(iter(by_p.values()))
+        cells.append(f"{100 * main['frac_peak']:.0f}%" if main.get("frac_peak") else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    summary = []
+    for (p, dt, causal), ss in sorted(speedups.items(), key=str):
+        summary.append(f"{p} vs torch_flash, {dt}, {'causal' if causal else 'non-causal'}: "
+                       f"geomean {geomean(ss):.2f}x, min {min(ss):.2f}x over {len(ss)} shapes")
+    pk = meta.get("peak")
+    peak_line = (f"machine peak (bench/peak.py, {pk['threads']} threads): FMA "
+                 f"{pk['fma_peak_gflops']:.0f} GFLOP/s ({pk['fma_peak_isa']}), read "
+                 f"{pk['read_gbs']:.1f} GB/s") if pk else "machine peak: not measured"
+    header = (f"{mode} | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
+              f"flashsdpa tiers: " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()))
+    return "\n".join([header, peak_line, ""] + lines + [""] + summary)
+
+
+def write_outputs(meta, rows, out_dir, tag):
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, tag)
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(base + ".csv", "w", newline="") as f:
+        fields = list(rows[0].keys()) if rows else []
+        fields = list(dict.fromkeys(fields + ["GFLOP/s", "GB/s"]))
+        w = csv.DictWriter(f, fieldnames=fields + ["cpu", "threads", "torch", "tier"])
+        w.writeheader()
+        for r in rows:
+            w.writerow(dict(r, cpu=meta["cpu"], threads=meta["threads"], torch=meta["torch"],
+                            tier=meta["tiers"].get({"float32": "fp32", "bfloat16": "bf16",
+                                                    "float16": "fp16"}[r["dtype"]])))
+    return base + ".json"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__)
+    ap.add_argument("--mode", choices=["fwd", "train", "decode"], default="fwd")
+    ap.add_argument("--providers", default="flashsdpa,torch_flash")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--shapes", default="suite", help="suite, tiny, or BxH[/Hkv]xLxD,...")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
+    ap.add_argument("--budget", type=float, default=0, help="stop after this many seconds")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--tag", default=None, help="output file name (default: the mode)")
+    ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
+    ap.add_argument("--peak-read-mib", type=int, default=1024)
+    args = ap.parse_args(argv)
+    meta, rows = run(args)
+    path = write_outputs(meta, rows, args.out_dir, args.tag or args.mode)
+    print(markdown(meta, rows))
+    print(f"\nresults: {path} (+ .csv)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Measure this machine's peaks: FMA throughput and memory read bandwidth.
+
+Compiles bench/peak_probe.c once per ISA variant the CPU runs (sse2, avx2+fma, avx512f) with the
+system C compiler, runs it on `threads` threads, and reports GFLOP/s per variant and the read
+bandwidth. The machine's FMA peak is the fastest variant. bench_sdpa.py reports every kernel as a
+fraction of these numbers.
+
+    python bench/peak.py [--threads N] [--json out.json]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE = os.path.join(HERE, "peak_probe.c")
+BUILD_DIR = os.path.join(HERE, ".build")
+
+# variant -> (compiler flags, cpu feature keys needed, from flashsdpa._C.cpu_features())
+VARIANTS = {
+    "sse2": ([], []),
+    "avx2": (["-mavx2", "-mfma"], ["avx2", "fma", "os_avx"]),
+    "avx512": (["-mavx512f"], ["avx512f", "os_avx512"]),
+}
+
+
+def _compiler():
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise RuntimeError("bench/peak.py needs a C compiler (cc, gcc or clang) on PATH")
+
+
+def _binary(variant):
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    exe = os.path.join(BUILD_DIR, f"peak_probe_{variant}")
+    if not os.path.exists(exe) or os.path.getmtime(exe) < os.path.getmtime(SOURCE):
+        flags = VARIANTS[variant][0]
+        subprocess.run([_compiler(), "-O2", "-fopenmp", *flags, SOURCE, "-o", exe],
+                       check=True, capture_output=True, text=True)
+    return exe
+
+
+def _run(exe, *args):
+    out = subprocess.run([exe, *map(str, args)], check=True, capture_output=True, text=True,
+                         env=dict(os.environ, OMP_PROC_BIND="false")).stdout.split()
+    return float(out[2])
+
+
+def runnable_variants():
+    try:
+        from flashsdpa import _C
+        feats = _C.cpu_features()
+    except ImportError:  # flashsdpa not built: only the baseline is known to be safe
+        return ["sse2"]
+    return [v for v, (_, needs) in VARIANTS.items() if all(feats.get(k) for k in needs)]
+
+
+def measure(threads=None, fma_seconds=0.5, read_mib=1024):
+    """Returns {"threads", "fma_gflops": {variant: GFLOP/s}, "fma_peak_gflops", "fma_peak_isa",
+    "read_gbs"}."""
+    import torch
+    threads = threads or torch.get_num_threads()
+    fma = {}
+    for variant in runnable_variants():
+        fma[variant] = _run(_binary(variant), "fma", threads, fma_seconds)
+    best = max(fma, key=fma.get)
+    read = _run(_binary(best), "read", threads, read_mib)
+    return {"threads": threads, "fma_gflops": fma, "fma_peak_gflops": fma[best],
+            "fma_peak_isa": best, "read_gbs": read}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--read-mib", type=int, default=1024, help="read-probe buffer size")
+    ap.add_argument("--json", help="also write the result here")
+    args = ap.parse_args(argv)
+    res = measure(args.threads, read_mib=args.read_mib)
+    for v, g in res["fma_gflops"].items():
+        print(f"FMA peak [{v:>6}] : {g:8.1f} GFLOP/s on {res['threads']} thread(s)")
+    print(f"read bandwidth   : {res['read_gbs']:8.1f} GB/s ({args.read_mib} MiB buffer)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Render bench_sdpa.py results (JSON) as markdown, and optionally write them into README.md
+between the markers `<!-- bench:begin -->` and `<!-- bench:end -->` (the README's performance
+table is always this script's output, never typed by hand).
+
+    python bench/report.py bench/results/fwd.json [more.json ...] [--readme README.md]
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_sdpa import markdown  # noqa: E402
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)"}
+
+
+def render(paths):
+    parts = []
+    for path in paths:
+        with open(path) as f:
+            res = json.load(f)
+        meta = res["meta"]
+        parts.append(f"#### {TITLES.get(meta['mode'], meta['mode'])} "
+                     f"(`{os.path.relpath(path)}`, {meta['date']})\n")
+        parts.append(markdown(meta, res["rows"]))
+        parts.append("")
+    return "\n".join(parts)
+
+
+def update_readme(readme, text):
+    with open(readme) as f:
+        content = f.read()
+    if BEGIN not in content or END not in content:
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} section")
+    head, rest = content.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme, "w") as f:
+        f.write(head + BEGIN + "\n" + text + "\n" + END + tail)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--readme", help="write the tables into this README")
+    args = ap.parse_args(argv)
+    text = render(args.results)
+    if args.readme:
+        update_readme(args.readme, text)
+        print(f"updated {args.readme}")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""The bench scripts stay runnable: a tiny run of every mode, the cost model, the report."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+import bench_sdpa  # noqa: E402
+
+
+def test_visible_pairs_matches_a_mask_count():
+    import torch
+    for L, S in ((7, 7), (5, 9), (9, 5), (1, 4)):
+        mask = torch.ones(L, S, dtype=torch.bool).tril()
+        assert bench_sdpa.visible_pairs(L, S, True) == int(mask.sum())
+        assert bench_sdpa.visible_pairs(L, S, False) == L * S
+
+
+@pytest.mark.parametrize("mode", ["fwd", "train", "decode"])
+def test_bench_tiny_run(tmp_path, mode):
+    cmd = [sys.executable, os.path.join(BENCH, "bench_sdpa.py"), "--mode", mode, "--shapes",
+           "tiny", "--repeats", "2", "--providers", "flashsdpa,torch_flash,torch_math",
+           "--out-dir", str(tmp_path), "--peak-read-mib", "64"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "vs torch_flash" in res.stdout
+    data = json.loads((tmp_path / f"{mode}.json").read_text())
+    assert data["meta"]["peak"]["fma_peak_gflops"] > 0
+    assert data["meta"]["cpu"] and data["meta"]["threads"] >= 1
+    providers = {r["provider"] for r in data["rows"]}
+    assert providers == {"flashsdpa", "torch_flash", "torch_math"}
+    assert all(r["ms"] > 0 for r in data["rows"])
+    assert (tmp_path / f"{mode}.csv").exists()
+
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
+    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"),
+                          str(tmp_path / f"{mode}.json"), "--readme", str(readme)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    text = readme.read_text()
+    assert "old" not in text and "rest" in text and "| shape" in text

@@ -23,9 +23,13 @@ GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/module.cpp", "csrc/cpu/isa.cpp"]
 # tier name -> (source, compiler flags, build it on this architecture?)
 TIERS = {
     "portable": ("csrc/cpu/tiers/portable.cpp", [], True),
+    "avx2": ("csrc/cpu/tiers/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], IS_X86),
 }
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# at::parallel_for is an inline template: it only runs in parallel in a translation unit compiled
+# with OpenMP (PyTorch's CPU build uses OpenMP; its bundled libgomp.so.1 is the one loaded).
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 class TierBuildExtension(BuildExtension):
@@ -57,7 +61,8 @@ def make_extension():
         name="flashsdpa._C",
         sources=GENERIC_SOURCES,
         define_macros=macros,
-        extra_compile_args={"cxx": COMMON_FLAGS},
+        extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS},
+        extra_link_args=OPENMP_FLAGS,
         depends=depends,
     )
     ext._flashsdpa_tiers = tiers

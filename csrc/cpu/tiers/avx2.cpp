@@ -1,0 +1,322 @@
+// AVX2 tier: the blocked algorithms with hand-written AVX2 / FMA / F16C micro-kernels.
+// Compiled with -mavx2 -mfma -mf16c only; selected at run time when CPUID + XCR0 allow it.
+//
+// Register blocking (the 6x16 BLIS/Haswell shape): a 6-row x 16-column fp32 tile of C lives in
+// 12 ymm accumulators; per step of the inner dimension one 16-wide row of the packed B panel is
+// loaded (2 ymm) and each of the 6 A values is broadcast (1 ymm) into 2 FMAs: 12 FMAs per
+// 2 loads + 6 broadcasts, enough independent chains to cover FMA latency x 2 pipes.
+#define FLASHSDPA_TIER_NS avx2
+#include <immintrin.h>
+
+#include "../generic_ops.h"
+#include "../tier_impl.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace avx2 {
+
+// ---- loads / stores with widening and rounding ---------------------------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {  // bf16 -> fp32: the 16 bits become the high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// n < 8 elements, the rest of the vector zero.
+template <class T>
+inline __m256 load8_partial(const T* p, int n) {
+  alignas(32) T tmp[8] = {};
+  for (int i = 0; i < n; ++i) tmp[i] = p[i];
+  return load8(tmp);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16_t* p, __m256 v) {
+  // round to nearest even: u + 0x7FFF + ((u >> 16) & 1), then keep the high half; NaN -> qNaN
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  r = _mm256_blendv_epi8(r, qnan, is_nan);
+  // pack the 8 low halves: packus works per 128-bit lane, so fix the order with a permute
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(f16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+template <class T>
+inline void store8_partial(T* p, __m256 v, int n) {
+  alignas(32) T tmp[8];
+  store8(tmp, v);
+  for (int i = 0; i < n; ++i) p[i] = tmp[i];
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes j of [j0, j0 + 8) with j >= limit.
+inline __m256 lanes_at_or_after(int j0, int limit) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(limit - 1)));
+}
+
+// exp2 of 8 lanes (same method and accuracy as exp2_poly in scalar.h):
+// 2^x = 2^n * e^(f ln2), n = round(x), f in [-0.5, 0.5], e^. by its degree-7 Taylor series.
+inline __m256 exp2_8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-126.0f);
+  __m256 xc = _mm256_min_ps(x, _mm256_set1_ps(127.0f));
+  xc = _mm256_max_ps(xc, lo);  // max(NaN, lo) = lo: NaN is restored below
+  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(kLn2));
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  r = _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+  return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// 8x8 fp32 transpose of rows r[0..8) in place.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+struct Avx2Ops : GenericOps {
+  static constexpr int NR = 16;  // panel width: 2 ymm
+  static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
+  static constexpr int kBlockQ = 96;
+
+  template <class T>
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd) {
+    for (int i = 0; i < rows; ++i) {
+      const T* s = src + i * ld;
+      float* d = dst + int64_t(i) * ldd;
+      int c = 0;
+      for (; c + 8 <= cols; c += 8) store8(d + c, load8(s + c));
+      if (c < cols) store8_partial(d + c, load8_partial(s + c, cols - c), cols - c);
+    }
+  }
+
+  // B[kk][n] = src[kk*ld + n]; panels of 16 columns, zero beyond N.
+  template <class T>
+  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      const int n0 = p * NR, w = int(min64(NR, N - n0));
+      float* panel = dst + int64_t(p) * K * NR;
+      const T* s = src + n0;
+      if (w == NR) {
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm256_store_ps(panel + kk * NR, load8(s));
+          _mm256_store_ps(panel + kk * NR + 8, load8(s + 8));
+        }
+      } else {
+        const int w0 = w < 8 ? w : 8, w1 = w - w0;
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm256_store_ps(panel + kk * NR, w0 == 8 ? load8(s) : load8_partial(s, w0));
+          _mm256_store_ps(panel + kk * NR + 8, w1 > 0 ? load8_partial(s + 8, w1) : _mm256_setzero_ps());
+        }
+      }
+    }
+  }
+
+  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): 8 rows x 8 columns at a time through an
+  // in-register transpose.
+  template <class T>
+  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      float* panel = dst + int64_t(p) * K * NR;
+      for (int half = 0; half < 2; ++half) {
+        const int n0 = p * NR + half * 8;
+        const int rows = int(max64(0, min64(8, N - n0)));  // source rows present
+        float* out = panel + half * 8;
+        if (rows == 0) {
+          for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + kk * NR, _mm256_setzero_ps());
+          continue;
+        }
+        int kk = 0;
+        for (; kk + 8 <= K; kk += 8) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i)
+            r[i] = i < rows ? load8(src + (n0 + i) * ld + kk) : _mm256_setzero_ps();
+          transpose8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (kk + i) * NR, r[i]);
+        }
+        for (; kk < K; ++kk) {
+          alignas(32) float col[8];
+          for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[(n0 + i) * ld + kk]) : 0.0f;
+          _mm256_store_ps(out + kk * NR, _mm256_load_ps(col));
+        }
+      }
+    }
+  }
+
+  // C tile of R rows x 16 columns (=|+=) A * panel. The 12 accumulators are named variables:
+  // GCC does not keep an array of __m256 in registers across an unrolled loop (it spills it).
+  template <bool TransA, int R>
+  static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
+                                int ldc, bool accumulate) {
+    static_assert(R >= 1 && R <= 6, "1 to 6 rows");
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    // A[i][kk]: row i of A, or column i when A is stored transposed
+    const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
+    const float* a0 = a;
+#define FLASHSDPA_ROW(i)                                               \
+  if (R > i) {                                                        \
+    const __m256 av = _mm256_broadcast_ss(a0 + (i) * step_i);         \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                       \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                       \
+  }
+#pragma GCC unroll 4
+    for (int kk = 0; kk < K; ++kk, a0 += step_k) {
+      const __m256 b0 = _mm256_load_ps(panel + kk * NR);
+      const __m256 b1 = _mm256_load_ps(panel + kk * NR + 8);
+      FLASHSDPA_ROW(0) FLASHSDPA_ROW(1) FLASHSDPA_ROW(2)
+      FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
+    }
+#undef FLASHSDPA_ROW
+#define FLASHSDPA_STORE(i)                                             \
+  if (R > i) {                                                        \
+    float* cr = c + int64_t(i) * ldc;                                 \
+    if (accumulate) {                                                 \
+      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(cr));          \
+      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(cr + 8));      \
+    }                                                                 \
+    _mm256_storeu_ps(cr, c##i##0);                                    \
+    _mm256_storeu_ps(cr + 8, c##i##1);                                \
+  }
+    FLASHSDPA_STORE(0) FLASHSDPA_STORE(1) FLASHSDPA_STORE(2)
+    FLASHSDPA_STORE(3) FLASHSDPA_STORE(4) FLASHSDPA_STORE(5)
+#undef FLASHSDPA_STORE
+  }
+
+  template <bool TransA>
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, float* c,
+                   int ldc, bool accumulate) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      const float* panel = bp + int64_t(p) * K * NR;
+      float* cp = c + p * NR;
+      int i = 0;
+      for (; i + MR <= M; i += MR) {
+        const float* ai = TransA ? a + i : a + int64_t(i) * lda;
+        micro_tile<TransA, MR>(K, ai, lda, panel, cp + int64_t(i) * ldc, ldc, accumulate);
+      }
+      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
+      float* ci = cp + int64_t(i) * ldc;
+      switch (M - i) {
+        case 5: micro_tile<TransA, 5>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 4: micro_tile<TransA, 4>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 3: micro_tile<TransA, 3>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 2: micro_tile<TransA, 2>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        case 1: micro_tile<TransA, 1>(K, ai, lda, panel, ci, ldc, accumulate); break;
+        default: break;
+      }
+    }
+  }
+
+  // s = s * scale_log2 + madd for j < valid, -inf from valid on. Works on whole vectors: the row
+  // buffer is padded to a multiple of NR, lanes at or after `valid` become -inf (even if madd
+  // holds garbage there).
+  static float score_row(float* s, int n, float scale_log2, const float* madd, int valid) {
+    const __m256 sc = _mm256_set1_ps(scale_log2), ninf = _mm256_set1_ps(kNegInf);
+    __m256 mx = ninf;
+    int j = 0;
+    for (; j + 8 <= valid; j += 8) {
+      __m256 x = madd ? _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc, _mm256_loadu_ps(madd + j))
+                      : _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+      _mm256_storeu_ps(s + j, x);
+      mx = _mm256_max_ps(mx, x);
+    }
+    if (j < valid) {  // the vector holding `valid`
+      __m256 x = madd ? _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc, _mm256_loadu_ps(madd + j))
+                      : _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+      x = _mm256_blendv_ps(x, ninf, lanes_at_or_after(j, valid));
+      _mm256_storeu_ps(s + j, x);
+      mx = _mm256_max_ps(mx, x);
+      j += 8;
+    }
+    for (; j < n; j += 8) _mm256_storeu_ps(s + j, ninf);
+    return hmax8(mx);
+  }
+
+  // p = exp2(s - m) over whole vectors covering n columns (padding lanes hold -inf -> 0).
+  static float exp2_row_sum(float* s, int n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+      const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+  }
+
+  static void scale_row(float* x, int n, float a) {
+    const __m256 av = _mm256_set1_ps(a);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), av));
+    for (; j < n; ++j) x[j] *= a;
+  }
+
+  template <class T>
+  static void store_row(const float* src, int n, float mul, T* dst) {
+    const __m256 mv = _mm256_set1_ps(mul);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), mv));
+    if (j < n) store8_partial(dst + j, _mm256_mul_ps(load8_partial(src + j, n - j), mv), n - j);
+  }
+
+  template <class T>
+  static float dot_row(const T* a, const T* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(load8(a + j), load8(b + j), acc);
+    if (j < n) acc = _mm256_fmadd_ps(load8_partial(a + j, n - j), load8_partial(b + j, n - j), acc);
+    return hsum8(acc);
+  }
+};
+
+}  // namespace avx2
+}  // namespace cpu
+}  // namespace flashsdpa
+
+FLASHSDPA_DEFINE_TIER(avx2_tier, Avx2Ops, "avx2")

@@ -153,6 +153,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("dtype"));
   m.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
   m.def("debug_poison", &flashsdpa::debug_poison);
+  m.def(
+      "set_kv_prepack",
+      [](const std::string& mode) {
+        using flashsdpa::KvPrepack;
+        if (mode == "auto") flashsdpa::set_kv_prepack(KvPrepack::Auto);
+        else if (mode == "never") flashsdpa::set_kv_prepack(KvPrepack::Never);
+        else if (mode == "always") flashsdpa::set_kv_prepack(KvPrepack::Always);
+        else throw py::value_error("set_kv_prepack: mode must be auto, never or always");
+      },
+      py::arg("mode"), "test hook: force the K/V pre-pack phase on or off");
   m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

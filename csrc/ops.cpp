@@ -22,6 +22,7 @@ namespace flashsdpa {
 namespace {
 
 std::atomic<bool> g_debug_poison{false};
+std::atomic<int> g_kv_prepack{int(KvPrepack::Auto)};
 
 // Largest head dim / block extent the kernels index with 32-bit ints.
 constexpr int64_t kMaxHeadDim = 1 << 16;
@@ -149,8 +150,9 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
 
 const std::string& profiler_name(Phase phase, cpu::Isa isa, DType dt) {
   static const std::string* names = [] {
-    constexpr int np = 4, ni = int(cpu::Isa::kCount), nd = 3;
-    const char* phases[np] = {"cpu_forward", "cpu_bwd_delta", "cpu_bwd_dkdv", "cpu_bwd_dq"};
+    constexpr int np = 5, ni = int(cpu::Isa::kCount), nd = 3;
+    const char* phases[np] = {"cpu_forward", "cpu_bwd_delta", "cpu_bwd_dkdv", "cpu_bwd_dq",
+                              "cpu_pack_kv"};
     auto* out = new std::string[np * ni * nd];
     for (int a = 0; a < np; ++a)
       for (int b = 0; b < ni; ++b)
@@ -167,12 +169,20 @@ void poison(const at::Tensor& t) {
     t.fill_(std::numeric_limits<double>::quiet_NaN());
 }
 
+void run_planned_phase(const AttnParams& p, Phase phase, cpu::Isa isa, const CpuTier& tier,
+                       const PhasePlan& plan);
+
 // Runs one phase: a parallel loop over the tier's work items, each thread with its own scratch.
 void run_phase(const AttnParams& p, Phase phase) {
   const cpu::Isa isa = cpu::selected_isa(p.dtype);
   const CpuTier& tier = *cpu::built_tier(isa);
-  RECORD_FUNCTION(profiler_name(phase, isa, p.dtype), c10::ArrayRef<const c10::IValue>{});
   const PhasePlan plan = tier.plan(p, phase);
+  run_planned_phase(p, phase, isa, tier, plan);
+}
+
+void run_planned_phase(const AttnParams& p, Phase phase, cpu::Isa isa, const CpuTier& tier,
+                       const PhasePlan& plan) {
+  RECORD_FUNCTION(profiler_name(phase, isa, p.dtype), c10::ArrayRef<const c10::IValue>{});
   if (plan.n_items <= 0) return;
   const bool poison_scratch = g_debug_poison.load(std::memory_order_relaxed);
   at::parallel_for(0, plan.n_items, 1, [&](int64_t begin, int64_t end) {
@@ -198,6 +208,7 @@ void draw_dropout_seed(AttnParams& p) {
 }  // namespace
 
 void set_debug_poison(bool on) { g_debug_poison.store(on); }
+void set_kv_prepack(KvPrepack policy) { g_kv_prepack.store(int(policy)); }
 bool debug_poison() { return g_debug_poison.load(); }
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
@@ -241,7 +252,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
-  if (out.numel() > 0) run_phase(p, Phase::Forward);
+  if (out.numel() > 0) {
+    // K^T / V panels packed once into a shared fp32 buffer when the forward would otherwise
+    // repack each kv block for every q block (O(Lk) memory, freed on return)
+    const cpu::Isa isa = cpu::selected_isa(p.dtype);
+    const CpuTier& tier = *cpu::built_tier(isa);
+    const PhasePlan pack = tier.plan(p, Phase::PackKV);
+    const auto policy = KvPrepack(g_kv_prepack.load(std::memory_order_relaxed));
+    at::Tensor kv_pack;
+    if (pack.n_items > 0 &&
+        (policy == KvPrepack::Always || (policy == KvPrepack::Auto && pack.worthwhile))) {
+      kv_pack = at::empty({pack.shared_bytes / 4}, q.options().dtype(at::kFloat));
+      poison(kv_pack);
+      p.kv_pack = kv_pack.data_ptr<float>();
+      run_planned_phase(p, Phase::PackKV, isa, tier, pack);
+    }
+    run_phase(p, Phase::Forward);
+  }
   return {out, lse, rng};
 }
 

@@ -27,4 +27,9 @@ at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 void set_debug_poison(bool on);
 bool debug_poison();
 
+// Whether the forward packs K^T / V once into a shared buffer (Phase::PackKV) or per block.
+// Auto follows the tier's advice; the others exist so tests cover both paths.
+enum class KvPrepack : int { Auto = 0, Never = 1, Always = 2 };
+void set_kv_prepack(KvPrepack policy);
+
 }  // namespace flashsdpa

@@ -68,11 +68,16 @@ struct AttnParams {
   int64_t dv_sb, dv_sh, dv_sl;
   // delta[b, h, i] = sum_d dout[b,h,i,d] * out[b,h,i,d] in fp32, contiguous [B, Hq, Lq].
   float* delta;
+
+  // Shared buffer written by Phase::PackKV (K^T and V in the tier's fp32 panel layout, one
+  // block after another), read by the forward. Null: the forward packs each block itself.
+  float* kv_pack;
 };
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
 // ops.cpp runs the loop (at::parallel_for) and the tier runs the items.
 enum class Phase : int32_t {
+  PackKV = 4,    // items: (b, hkv, kv-block): K^T and V panels into kv_pack (when worth it)
   Forward = 0,   // items: (b, hq, q-block)
   BwdDelta = 1,  // items: (b, hq, q-block): delta = rowsum(dout * out)
   BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
@@ -80,8 +85,10 @@ enum class Phase : int32_t {
 };
 
 struct PhasePlan {
-  int64_t n_items;        // the phase's items are [0, n_items)
+  int64_t n_items;        // the phase's items are [0, n_items); 0: skip the phase
   int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
+  int64_t shared_bytes;   // PackKV: size of the shared buffer (kv_pack) the caller allocates
+  bool worthwhile;        // PackKV: the tier recommends running it for this shape
 };
 
 // What one ISA tier provides. Item decomposition depends on the shape only (never on the

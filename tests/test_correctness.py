@@ -127,3 +127,26 @@ def test_tiers_agree():
     for t, out in results.items():
         torch.testing.assert_close(out, results["portable"], atol=2e-6, rtol=1e-5,
                                    msg=lambda m: f"tier {t} vs portable: {m}")
+
+
+@pytest.fixture(params=["never", "always"])
+def kv_prepack(request):
+    """Forces the forward's K/V pre-pack phase off or on (auto picks one by shape)."""
+    from flashsdpa import _C
+    _C.set_kv_prepack(request.param)
+    yield request.param
+    _C.set_kv_prepack("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape,causal", [
+    ((2, 4, 2, 300, 300, 40, 40), True),    # causal cut inside pre-packed blocks, GQA
+    ((1, 2, 2, 5, 700, 24, 33), False),     # one q block, several kv blocks, Dv != D
+    ((1, 3, 3, 257, 129, 64, 64), True),    # Lq > Lk
+], ids=["causal-gqa", "short-q", "long-q"])
+def test_kv_prepack_paths(tier, kv_prepack, shape, causal, dtype):
+    B, Hq, Hkv, L, S, D, Dv = shape
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, D, Dv, dtype=dtype)
+    mask = torch.randn(L, S)
+    check_forward_backward(q, k, v, dtype, f"{tier} prepack={kv_prepack}", is_causal=causal,
+                           attn_mask=mask, backward=False)

@@ -90,19 +90,19 @@ struct FlashBackward {
     float* dp = scratch + L.dp;
     uint8_t* keep = reinterpret_cast<uint8_t*>(scratch + L.keep);
     MaskTile mt{scratch + L.mask, L.lds, false};
-    const float scale_log2 = p.scale * kLog2e;
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
 
     // S = Q_blk K_blk^T, then P = 2^(s - lse2)
-    Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, s, L.lds, false);
+    Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, p.D * Ops::NR, s,
+                              L.lds, false);
     const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
     bool any = false;
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
       float* srow = s + int64_t(r) * L.lds;
       const int valid = causal_valid(p, i, j0, nk);
-      const float mx = Ops::score_row(srow, nk, scale_log2, mt.row(mtile, r), valid);
+      const float mx = Ops::score_row(srow, nk, mt.row(mtile, r), valid);
       if (mx == kNegInf) {
         for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
       } else {
@@ -116,7 +116,8 @@ struct FlashBackward {
     if (!any) return false;
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
-    Ops::template gemm<false>(nq, nk, int(p.Dv), dobuf, L.lddo, scratch + L.vt, dp, L.lds, false);
+    Ops::template gemm<false>(nq, nk, int(p.Dv), dobuf, L.lddo, scratch + L.vt, p.Dv * Ops::NR, dp,
+                              L.lds, false);
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
       float* srow = s + int64_t(r) * L.lds;
@@ -128,11 +129,13 @@ struct FlashBackward {
     return true;
   }
 
-  // Loads the q-side operands of rows [i0, i0 + nq) of head h.
+  // Loads the q-side operands of rows [i0, i0 + nq) of head h. The A copy of Q is pre-multiplied
+  // by scale*log2(e) (scores in the log2 domain); the Q panels for dK stay unscaled.
   static void load_q_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
                           int64_t h, int64_t i0, int nq, bool panels) {
-    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq);
-    Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo);
+    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq,
+                   p.scale * kLog2e);
+    Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo, 1.0f);
     if (panels) {
       Ops::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.qp);
       Ops::pack_b(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dop);
@@ -169,9 +172,11 @@ struct FlashBackward {
         const bool any = tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile);
         if (!any) continue;
         // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
-        Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop, dv, L.lddv,
+        Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop,
+                                 int64_t(nq) * Ops::NR, dv, L.lddv,
                                  true);
-        Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp, dk,
+        Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp,
+                                 int64_t(nq) * Ops::NR, dk,
                                  L.ldd, true);
       }
     }
@@ -209,7 +214,8 @@ struct FlashBackward {
       if (!tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile)) continue;
       // dQ += dS K_blk
       Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
-      Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp, dq, L.ldd,
+      Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp,
+                                int64_t(nk) * Ops::NR, dq, L.ldd,
                                 true);
     }
     T* dqp = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh;

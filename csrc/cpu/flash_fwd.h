@@ -4,7 +4,8 @@
 //   m = -inf, l = 0, acc = 0                               (per row; fp32)
 //   for each kv block [j0, j0 + bk) the rows can see:
 //     S   = Q_blk K_blk^T                                  (gemm, fp32)
-//     s   = log2(e) * (scale * S + mask); causal cut       (score_row; log2 domain)
+//     s   = log2(e) * (scale * S + mask); causal cut       (score_row; log2 domain: Q_blk is
+//                                                           loaded pre-multiplied by scale*log2e)
 //     m'  = max(m, rowmax(s)); alpha = 2^(m - m')
 //     P   = 2^(s - m'); l = alpha * l + rowsum(P)
 //     acc = alpha * acc + dropout(P) V_blk                 (gemm)
@@ -54,6 +55,28 @@ struct FlashForward {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
 
+  // ---- Phase::PackKV: K^T and V panels of every (b, hkv, kv-block), packed once ---------------
+  // Worth it when each kv block is read by more than one q block (several q blocks per head, or
+  // several query heads per kv head); otherwise each forward item packs what it reads.
+  static bool pack_worthwhile(const AttnParams& p, const Blocks& bl) {
+    return p.Lq > bl.bq || p.Hq > p.Hkv;
+  }
+  static int64_t pack_items(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
+  }
+  static int64_t pack_block_floats(const AttnParams& p, const Blocks& bl) {
+    return round_up(bl.bk, Ops::NR) * p.D + int64_t(bl.bk) * round_up(p.Dv, Ops::NR);
+  }
+  static void run_pack(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const int64_t n_kb = ceil_div(p.Lk, bl.bk);
+    const int64_t bhk = item / n_kb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t j0 = (item % n_kb) * bl.bk;
+    const int nk = int(min64(bl.bk, p.Lk - j0));
+    float* kt = p.kv_pack + item * pack_block_floats(p, bl);
+    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
+    Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
+  }
+
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     const Layout L = layout(p, bl);
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
@@ -67,8 +90,6 @@ struct FlashForward {
     const int Dv = int(p.Dv);
 
     float* qbuf = scratch + L.q;
-    float* kt = scratch + L.kt;
-    float* vp = scratch + L.v;
     float* s = scratch + L.s;
     float* acc = scratch + L.acc;
     float* m = scratch + L.m;
@@ -79,7 +100,7 @@ struct FlashForward {
     const bool dropout = p.dropout_p > 0.0f;
 
     // Q_blk [nq, D] in fp32
-    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq);
+    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, scale_log2);
     for (int r = 0; r < nq; ++r) {
       m[r] = kNegInf;
       l[r] = 0.0f;
@@ -90,9 +111,22 @@ struct FlashForward {
     const int64_t kv_end = kv_end_for_rows(p, i0, nq);
     for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
       const int nk = int(min64(bl.bk, kv_end - j0));
+      // K_blk^T and V_blk panels: pre-packed by Phase::PackKV, or packed here
+      // (pre-packed V panels hold the whole block's rows, nk_full >= nk under the causal cut)
+      float* kt = scratch + L.kt;
+      float* vp = scratch + L.v;
+      int64_t v_stride = int64_t(nk) * Ops::NR;
+      const bool prepacked = p.kv_pack != nullptr;
+      if (prepacked) {
+        kt = p.kv_pack + ((b * p.Hkv + hk) * ceil_div(p.Lk, bl.bk) + j0 / bl.bk) *
+                             pack_block_floats(p, bl);
+        vp = kt + round_up(bl.bk, Ops::NR) * p.D;
+        v_stride = min64(bl.bk, p.Lk - j0) * Ops::NR;
+      } else {
+        Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
+      }
       // S = Q_blk K_blk^T   [nq, nk]
-      Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
-      Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, s, L.lds, false);
+      Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, false);
       const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
 
       bool any_row = false;
@@ -100,7 +134,7 @@ struct FlashForward {
         const int64_t i = i0 + r;
         float* srow = s + int64_t(r) * L.lds;
         const int valid = causal_valid(p, i, j0, nk);
-        const float mx = Ops::score_row(srow, nk, scale_log2, mt.row(mtile, r), valid);
+        const float mx = Ops::score_row(srow, nk, mt.row(mtile, r), valid);
         const float m_new = mx > m[r] ? mx : m[r];
         if (m_new == kNegInf) {  // nothing visible yet in this row: P = 0
           for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
@@ -116,8 +150,8 @@ struct FlashForward {
       }
       if (!any_row) continue;  // the whole tile is masked: skip P V
       // acc += P V_blk   [nq, Dv]
-      Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
-      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, acc, L.ldacc, true);
+      if (!prepacked) Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, v_stride, acc, L.ldacc, true);
     }
 
     for (int r = 0; r < nq; ++r) {

@@ -4,11 +4,12 @@
 // The blocked algorithms (flash_fwd.h, flash_bwd.h) only talk to a trait through these members:
 //
 //   NR                   panel width: B operands are packed in panels of NR columns
-//   load_rows<T>         rows of T -> fp32 row-major (an A operand)
+//   load_rows<T>         rows of T -> fp32 row-major, times a factor (an A operand)
 //   pack_b<T>            B[kk][n] = src[kk*ld + n]  -> panels   (e.g. V for O += P V)
 //   pack_bt<T>           B[kk][n] = src[n*ld + kk]  -> panels   (e.g. K^T for S = Q K^T)
-//   gemm<TransA>         C[M][Np] (= or +=) A[M][K] * B[K][Np], A row-major or transposed
-//   score_row            s = raw * scale_log2 + mask (log2 domain), causal cut, returns max
+//   gemm<TransA>         C[M][Np] (= or +=) A[M][K] * B[K][Np], A row-major or transposed,
+//                        B panels `bstride` floats apart
+//   score_row            s += mask (log2 domain; Q comes pre-scaled), causal cut, returns max
 //   exp2_row_sum         p = exp2(s - m), returns sum(p)
 //   scale_row, store_row, dot_row
 #pragma once
@@ -40,28 +41,25 @@ inline float hmax(vf4 v) {
 }
 inline float hsum(vf4 v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 
-// exp2 of 4 lanes, the same method as exp2_poly (scalar.h): 2^n * e^(f ln2), n = rint(x).
+// exp2 of 4 lanes: exp2_poly (scalar.h), vectorised.
 inline vf4 vexp2(vf4 x) {
-  const vf4 hi = vsplat(127.0f), lo = vsplat(-126.0f);
-  vf4 xc = vselect(x > hi, hi, x);
-  xc = vselect(xc >= lo, xc, lo);  // also maps NaN to -126
-  const vf4 magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf4 hi = vsplat(kExp2Max), lo = vsplat(kExp2Min);
+  vf4 xc = vselect(x < hi, x, hi);
+  xc = vselect(xc > lo, xc, lo);  // also maps NaN to lo
+  const vf4 magic = vsplat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
   const vf4 t = xc + magic;
   const vf4 n = t - magic;
-  const vf4 f = (xc - n) * vsplat(kLn2);
-  vf4 p = vsplat(1.0f / 5040.0f);
-  p = p * f + vsplat(1.0f / 720.0f);
-  p = p * f + vsplat(1.0f / 120.0f);
-  p = p * f + vsplat(1.0f / 24.0f);
-  p = p * f + vsplat(1.0f / 6.0f);
-  p = p * f + vsplat(0.5f);
-  p = p * f + vsplat(1.0f);
-  p = p * f + vsplat(1.0f);
+  const vf4 f = xc - n;
+  vf4 p = vsplat(kExp2C6);
+  p = p * f + vsplat(kExp2C5);
+  p = p * f + vsplat(kExp2C4);
+  p = p * f + vsplat(kExp2C3);
+  p = p * f + vsplat(kExp2C2);
+  p = p * f + vsplat(kExp2C1);
+  p = p * f + vsplat(kExp2C0);
   const vi4 ni = (vi4)t - (vi4)magic;  // the integer n, from the low mantissa bits
   const vf4 scale = (vf4)((ni + 127) << 23);
-  const vf4 r = p * scale;
-  const vf4 zero = vsplat(0.0f);
-  return vselect(x != x, x, vselect(x < lo, zero, r));
+  return vselect(x != x, x, p * scale);
 }
 
 struct GenericOps {
@@ -69,13 +67,14 @@ struct GenericOps {
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
   static constexpr int kBlockQ = 64;  // query rows per block (fewer when Lq is shorter)
 
-  // dst[i*ldd + d] = src[i*ld + d] for i < rows, d < cols.
+  // dst[i*ldd + d] = mul * src[i*ld + d] for i < rows, d < cols.
   template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd) {
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
     for (int i = 0; i < rows; ++i) {
       const T* s = src + i * ld;
       float* d = dst + int64_t(i) * ldd;
-      for (int c = 0; c < cols; ++c) d[c] = to_f32(s[c]);
+      for (int c = 0; c < cols; ++c) d[c] = to_f32(s[c]) * mul;
     }
   }
 
@@ -141,13 +140,14 @@ struct GenericOps {
   }
 
   // C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
-  // B comes from pack_b / pack_bt with the same K and N. Padding columns of C get A * 0.
+  // B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart
+  // (K_packed * NR). Padding columns of C get A * 0.
   template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, float* c,
-                   int ldc, bool accumulate) {
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp,
+                   int64_t bstride, float* c, int ldc, bool accumulate) {
     const int np = int(ceil_div(N, NR));
     for (int p = 0; p < np; ++p) {
-      const float* panel = bp + int64_t(p) * K * NR;
+      const float* panel = bp + p * bstride;
       float* cp = c + p * NR;
       int i = 0;
       for (; i + MR <= M; i += MR) {
@@ -167,28 +167,23 @@ struct GenericOps {
     }
   }
 
-  // s[j] = s[j] * scale_log2 + madd[j] for j < valid (madd may be null), s[j] = -inf for
-  // valid <= j < n. Returns max_j s[j] (-inf if every column is masked).
-  static float score_row(float* s, int n, float scale_log2, const float* madd, int valid) {
-    const vf4 sc = vsplat(scale_log2);
+  // s[j] += madd[j] for j < valid (madd may be null), s[j] = -inf for valid <= j < n.
+  // Returns max_j s[j] (-inf if every column is masked).
+  static float score_row(float* s, int n, const float* madd, int valid) {
     vf4 mx4 = vsplat(kNegInf);
     int j = 0;
     if (madd) {
       for (; j + 4 <= valid; j += 4) {
-        const vf4 x = vload(s + j) * sc + vload(madd + j);
+        const vf4 x = vload(s + j) + vload(madd + j);
         vstore(s + j, x);
         mx4 = vmax(mx4, x);
       }
     } else {
-      for (; j + 4 <= valid; j += 4) {
-        const vf4 x = vload(s + j) * sc;
-        vstore(s + j, x);
-        mx4 = vmax(mx4, x);
-      }
+      for (; j + 4 <= valid; j += 4) mx4 = vmax(mx4, vload(s + j));
     }
     float mx = hmax(mx4);
     for (; j < valid; ++j) {
-      s[j] = s[j] * scale_log2 + (madd ? madd[j] : 0.0f);
+      if (madd) s[j] += madd[j];
       mx = s[j] > mx ? s[j] : mx;
     }
     for (; j < n; ++j) s[j] = kNegInf;

@@ -14,8 +14,13 @@ struct TierImpl {
   template <class T>
   static PhasePlan plan_typed(const AttnParams& p, Phase phase) {
     const Blocks bl = choose_blocks<Ops>(p);
-    PhasePlan pl{0, 0};
+    PhasePlan pl{0, 0, 0, false};
     switch (phase) {
+      case Phase::PackKV:
+        pl.n_items = FlashForward<Ops, T>::pack_items(p, bl);
+        pl.shared_bytes = 4 * pl.n_items * FlashForward<Ops, T>::pack_block_floats(p, bl);
+        pl.worthwhile = FlashForward<Ops, T>::pack_worthwhile(p, bl);
+        break;
       case Phase::Forward:
         pl.n_items = FlashForward<Ops, T>::num_items(p, bl);
         pl.scratch_bytes = 4 * FlashForward<Ops, T>::layout(p, bl).total;
@@ -42,6 +47,7 @@ struct TierImpl {
     float* scratch = static_cast<float*>(scratch_v);
     for (int64_t item = begin; item < end; ++item) {
       switch (phase) {
+        case Phase::PackKV: FlashForward<Ops, T>::run_pack(p, bl, item); break;
         case Phase::Forward: FlashForward<Ops, T>::run_item(p, bl, item, scratch); break;
         case Phase::BwdDelta: FlashBackward<Ops, T>::run_delta(p, bl, item); break;
         case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
@@ -56,7 +62,7 @@ struct TierImpl {
       case DType::BF16: return plan_typed<bf16_t>(p, phase);
       case DType::F16: return plan_typed<f16_t>(p, phase);
     }
-    return PhasePlan{0, 0};
+    return PhasePlan{0, 0, 0, false};
   }
 
   static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch) {

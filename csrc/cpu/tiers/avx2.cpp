@@ -75,26 +75,24 @@ inline __m256 lanes_at_or_after(int j0, int limit) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(limit - 1)));
 }
 
-// exp2 of 8 lanes (same method and accuracy as exp2_poly in scalar.h):
-// 2^x = 2^n * e^(f ln2), n = round(x), f in [-0.5, 0.5], e^. by its degree-7 Taylor series.
+// exp2 of 8 lanes: exp2_poly (scalar.h) with FMA. Rounding by the magic-number trick: adding
+// 1.5 * 2^23 + 127 leaves n + 127 in the low mantissa bits of t (n + 127 in [0, 254]), so
+// t << 23 is already the bit pattern of 2^n. Operand order keeps NaN flowing through min/max
+// (they return the second operand when one is NaN), so NaN in gives NaN out without a blend.
 inline __m256 exp2_8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-126.0f);
-  __m256 xc = _mm256_min_ps(x, _mm256_set1_ps(127.0f));
-  xc = _mm256_max_ps(xc, lo);  // max(NaN, lo) = lo: NaN is restored below
-  const __m256 n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(xc, n), _mm256_set1_ps(kLn2));
-  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 720.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  r = _mm256_blendv_ps(r, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
-  return _mm256_blendv_ps(r, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m256 magic = _mm256_set1_ps(12582912.0f + 127.0f);
+  __m256 xc = _mm256_min_ps(_mm256_set1_ps(kExp2Max), x);
+  xc = _mm256_max_ps(_mm256_set1_ps(kExp2Min), xc);
+  const __m256 t = _mm256_add_ps(xc, magic);
+  const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));  // f = xc - n
+  __m256 p = _mm256_set1_ps(kExp2C6);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C5));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C4));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C3));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C2));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C1));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C0));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
 // 8x8 fp32 transpose of rows r[0..8) in place.
@@ -120,16 +118,19 @@ inline void transpose8(__m256 r[8]) {
 struct Avx2Ops : GenericOps {
   static constexpr int NR = 16;  // panel width: 2 ymm
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
-  static constexpr int kBlockQ = 96;
+  static constexpr int kBlockQ = 192;
 
   template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd) {
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
+    const __m256 mv = _mm256_set1_ps(mul);
     for (int i = 0; i < rows; ++i) {
       const T* s = src + i * ld;
       float* d = dst + int64_t(i) * ldd;
       int c = 0;
-      for (; c + 8 <= cols; c += 8) store8(d + c, load8(s + c));
-      if (c < cols) store8_partial(d + c, load8_partial(s + c, cols - c), cols - c);
+      for (; c + 8 <= cols; c += 8) store8(d + c, _mm256_mul_ps(load8(s + c), mv));
+      if (c < cols)
+        store8_partial(d + c, _mm256_mul_ps(load8_partial(s + c, cols - c), mv), cols - c);
     }
   }
 
@@ -229,11 +230,11 @@ struct Avx2Ops : GenericOps {
   }
 
   template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, float* c,
-                   int ldc, bool accumulate) {
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp,
+                   int64_t bstride, float* c, int ldc, bool accumulate) {
     const int np = int(ceil_div(N, NR));
     for (int p = 0; p < np; ++p) {
-      const float* panel = bp + int64_t(p) * K * NR;
+      const float* panel = bp + p * bstride;
       float* cp = c + p * NR;
       int i = 0;
       for (; i + MR <= M; i += MR) {
@@ -253,22 +254,25 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  // s = s * scale_log2 + madd for j < valid, -inf from valid on. Works on whole vectors: the row
-  // buffer is padded to a multiple of NR, lanes at or after `valid` become -inf (even if madd
-  // holds garbage there).
-  static float score_row(float* s, int n, float scale_log2, const float* madd, int valid) {
-    const __m256 sc = _mm256_set1_ps(scale_log2), ninf = _mm256_set1_ps(kNegInf);
+  // s += madd for j < valid, -inf from valid on. Works on whole vectors: the row buffer is
+  // padded to a multiple of NR; lanes at or after `valid` become -inf (whatever madd holds there).
+  // Without a mask and a causal cut it only reads the row.
+  static float score_row(float* s, int n, const float* madd, int valid) {
+    const __m256 ninf = _mm256_set1_ps(kNegInf);
     __m256 mx = ninf;
     int j = 0;
-    for (; j + 8 <= valid; j += 8) {
-      __m256 x = madd ? _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc, _mm256_loadu_ps(madd + j))
-                      : _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
-      _mm256_storeu_ps(s + j, x);
-      mx = _mm256_max_ps(mx, x);
+    if (madd) {
+      for (; j + 8 <= valid; j += 8) {
+        const __m256 x = _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(madd + j));
+        _mm256_storeu_ps(s + j, x);
+        mx = _mm256_max_ps(mx, x);
+      }
+    } else {
+      for (; j + 8 <= valid; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
     }
-    if (j < valid) {  // the vector holding `valid`
-      __m256 x = madd ? _mm256_fmadd_ps(_mm256_loadu_ps(s + j), sc, _mm256_loadu_ps(madd + j))
-                      : _mm256_mul_ps(_mm256_loadu_ps(s + j), sc);
+    if (j < valid) {  // the vector holding column `valid`
+      __m256 x = _mm256_loadu_ps(s + j);
+      if (madd) x = _mm256_add_ps(x, _mm256_loadu_ps(madd + j));
       x = _mm256_blendv_ps(x, ninf, lanes_at_or_after(j, valid));
       _mm256_storeu_ps(s + j, x);
       mx = _mm256_max_ps(mx, x);

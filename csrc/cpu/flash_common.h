@@ -3,6 +3,7 @@
 // (generic_ops.h) and compiled once per tier inside that tier's namespace.
 #pragma once
 #include "../params.h"
+#include "generic_ops.h"
 #include "scalar.h"
 
 namespace flashsdpa {
@@ -122,6 +123,29 @@ inline int causal_valid(const AttnParams& p, int64_t i, int64_t j0, int nk) {
   const int64_t v = i + 1 - j0;
   return int(v < 0 ? 0 : (v > nk ? nk : v));
 }
+
+// A (q block x kv block) tile under the causal rule. When the diagonal crosses it, rows are
+// handled in groups of `group` (the micro-kernel height): a group needs the columns its last row
+// sees, so work above the diagonal shrinks to less than one group-height strip.
+struct CausalTile {
+  bool diagonal;  // some row of the tile sees fewer than nk columns
+  int64_t i0, j0;
+  int nq, nk, group;
+  RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i+R) needs i0 - j0 + i + R
+  CausalTile(const AttnParams& p, int64_t i0_, int nq_, int64_t j0_, int nk_, int group_)
+      : diagonal(p.causal && j0_ + nk_ > i0_ + 1), i0(i0_), j0(j0_), nq(nq_), nk(nk_),
+        group(group_), lim_n{i0_ - j0_, true}, lim_k{i0_ - j0_, false} {}
+  const RowLimit* limit_n() const { return diagonal ? &lim_n : nullptr; }  // S = Q K^T
+  const RowLimit* limit_k() const { return diagonal ? &lim_k : nullptr; }  // O += P V
+  // rows in the group that starts at (or contains) row r
+  int rows(int r) const { return int(min64(group, nq - (r / group) * group)); }
+  // columns the group of row r needs: up to the last row's diagonal (0: the group sees nothing)
+  int width(int r) const {
+    if (!diagonal) return nk;
+    const int64_t last = i0 + min64(nq, (r / group + 1) * group) - 1;
+    return int(max64(0, min64(nk, last + 1 - j0)));
+  }
+};
 
 // Last key column + 1 that any row of [i0, i0 + nq) can see.
 inline int64_t kv_end_for_rows(const AttnParams& p, int64_t i0, int nq) {

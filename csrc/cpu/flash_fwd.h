@@ -125,33 +125,38 @@ struct FlashForward {
       } else {
         Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
       }
-      // S = Q_blk K_blk^T   [nq, nk]
-      Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, false);
+      // S = Q_blk K_blk^T   [nq, nk]. On a tile the causal diagonal crosses, each group of MR
+      // rows only computes the columns its last row can see (CausalTile).
+      const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
+      Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, false,
+                                ct.limit_n());
       const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
 
       bool any_row = false;
       for (int r = 0; r < nq; ++r) {
         const int64_t i = i0 + r;
+        const int w = ct.width(r);  // columns of this row's group: the rest is never read
         float* srow = s + int64_t(r) * L.lds;
         const int valid = causal_valid(p, i, j0, nk);
-        const float mx = Ops::score_row(srow, nk, mt.row(mtile, r), valid);
+        const float mx = Ops::score_row(srow, w, mt.row(mtile, r), valid);
         const float m_new = mx > m[r] ? mx : m[r];
         if (m_new == kNegInf) {  // nothing visible yet in this row: P = 0
-          for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
+          for (int c = 0; c < w; ++c) srow[c] = 0.0f;
           continue;
         }
         any_row = true;
         const float alpha = exp2_poly(m[r] - m_new);  // m = -inf -> 0
-        const float rowsum = Ops::exp2_row_sum(srow, nk, m_new);
+        const float rowsum = Ops::exp2_row_sum(srow, w, m_new);
         l[r] = l[r] * alpha + rowsum;
         m[r] = m_new;
         if (alpha != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha);
-        if (dropout) dropout_apply_row(p, uint64_t(bh), i, j0, nk, srow, srow, keep);
+        if (dropout) dropout_apply_row(p, uint64_t(bh), i, j0, w, srow, srow, keep);
       }
       if (!any_row) continue;  // the whole tile is masked: skip P V
       // acc += P V_blk   [nq, Dv]
       if (!prepacked) Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
-      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, v_stride, acc, L.ldacc, true);
+      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, v_stride, acc, L.ldacc, true,
+                                ct.limit_k());
     }
 
     for (int r = 0; r < nq; ++r) {

@@ -62,6 +62,53 @@ inline vf4 vexp2(vf4 x) {
   return vselect(x != x, x, p * scale);
 }
 
+// Causal restriction of a gemm, per group of MR rows: the group of rows [i, i + R) needs only
+// min(extent, off + i + R) columns of B (on_n) or steps of the inner dimension (!on_n); beyond
+// that the tile lies above the causal diagonal. Skipped C tiles are left as they are.
+struct RowLimit {
+  int64_t off;
+  bool on_n;
+};
+
+// The panel / row-group loops around a trait's micro-tile, shared by every tier:
+// C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
+// B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart.
+// Panel-outer order: a B panel stays in L1 while every row group uses it.
+template <class Ops, bool TransA>
+inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
+                      int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  static_assert(MR == 6, "the remainder switch below covers MR = 6");
+  const int np = int(ceil_div(N, NR));
+  for (int p = 0; p < np; ++p) {
+    const float* panel = bp + p * bstride;
+    float* cp = c + p * NR;
+    for (int i = 0; i < M; i += MR) {
+      const int R = M - i < MR ? M - i : MR;
+      int kk = K;
+      if (lim) {
+        const int64_t w = lim->off + i + R;
+        if (lim->on_n) {
+          if (w <= int64_t(p) * NR) continue;
+        } else {
+          kk = int(w < 0 ? 0 : (w > K ? K : w));
+          if (kk == 0) continue;
+        }
+      }
+      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
+      float* ci = cp + int64_t(i) * ldc;
+      switch (R) {
+        case 6: Ops::template micro_tile<TransA, 6>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+        case 5: Ops::template micro_tile<TransA, 5>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+        case 4: Ops::template micro_tile<TransA, 4>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+        case 3: Ops::template micro_tile<TransA, 3>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+        case 2: Ops::template micro_tile<TransA, 2>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+        default: Ops::template micro_tile<TransA, 1>(kk, ai, lda, panel, ci, ldc, accumulate); break;
+      }
+    }
+  }
+}
+
 struct GenericOps {
   static constexpr int NR = 8;   // panel width: 2 vectors
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
@@ -139,32 +186,10 @@ struct GenericOps {
     }
   }
 
-  // C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
-  // B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart
-  // (K_packed * NR). Padding columns of C get A * 0.
   template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp,
-                   int64_t bstride, float* c, int ldc, bool accumulate) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const float* panel = bp + p * bstride;
-      float* cp = c + p * NR;
-      int i = 0;
-      for (; i + MR <= M; i += MR) {
-        const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-        micro_tile<TransA, MR>(K, ai, lda, panel, cp + int64_t(i) * ldc, ldc, accumulate);
-      }
-      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-      float* ci = cp + int64_t(i) * ldc;
-      switch (M - i) {  // remainder rows
-        case 5: micro_tile<TransA, 5>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 4: micro_tile<TransA, 4>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 3: micro_tile<TransA, 3>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 2: micro_tile<TransA, 2>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 1: micro_tile<TransA, 1>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        default: break;
-      }
-    }
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
+                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
+    gemm_loop<GenericOps, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
   }
 
   // s[j] += madd[j] for j < valid (madd may be null), s[j] = -inf for valid <= j < n.

@@ -230,28 +230,9 @@ struct Avx2Ops : GenericOps {
   }
 
   template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp,
-                   int64_t bstride, float* c, int ldc, bool accumulate) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const float* panel = bp + p * bstride;
-      float* cp = c + p * NR;
-      int i = 0;
-      for (; i + MR <= M; i += MR) {
-        const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-        micro_tile<TransA, MR>(K, ai, lda, panel, cp + int64_t(i) * ldc, ldc, accumulate);
-      }
-      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-      float* ci = cp + int64_t(i) * ldc;
-      switch (M - i) {
-        case 5: micro_tile<TransA, 5>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 4: micro_tile<TransA, 4>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 3: micro_tile<TransA, 3>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 2: micro_tile<TransA, 2>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        case 1: micro_tile<TransA, 1>(K, ai, lda, panel, ci, ldc, accumulate); break;
-        default: break;
-      }
-    }
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
+                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
+    gemm_loop<Avx2Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
   }
 
   // s += madd for j < valid, -inf from valid on. Works on whole vectors: the row buffer is

@@ -164,6 +164,26 @@ const std::string& profiler_name(Phase phase, cpu::Isa isa, DType dt) {
   return names[(int(phase) * int(cpu::Isa::kCount) + int(isa)) * 3 + int(dt)];
 }
 
+// The pack buffer of the last forward on this thread, kept for the next call: a fresh multi-MB
+// allocation costs page faults and kernel page clearing on every call (a few % of a prefill).
+// Buffers above kMaxCachedPackBytes are not kept, so a long prefill does not pin its memory.
+constexpr int64_t kMaxCachedPackBytes = int64_t(64) << 20;
+
+float* pack_workspace(int64_t bytes, c10::DataPtr* owner) {
+  thread_local c10::DataPtr cached;
+  thread_local int64_t cached_bytes = 0;
+  if (bytes > kMaxCachedPackBytes) {
+    *owner = c10::GetCPUAllocator()->allocate(bytes);
+    return static_cast<float*>(owner->get());
+  }
+  if (cached_bytes < bytes) {
+    cached = c10::DataPtr();  // free the old one first
+    cached = c10::GetCPUAllocator()->allocate(bytes);
+    cached_bytes = bytes;
+  }
+  return static_cast<float*>(cached.get());
+}
+
 void poison(const at::Tensor& t) {
   if (g_debug_poison.load(std::memory_order_relaxed) && t.numel() > 0)
     t.fill_(std::numeric_limits<double>::quiet_NaN());
@@ -259,12 +279,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const CpuTier& tier = *cpu::built_tier(isa);
     const PhasePlan pack = tier.plan(p, Phase::PackKV);
     const auto policy = KvPrepack(g_kv_prepack.load(std::memory_order_relaxed));
-    at::Tensor kv_pack;
+    c10::DataPtr pack_owner;
     if (pack.n_items > 0 &&
         (policy == KvPrepack::Always || (policy == KvPrepack::Auto && pack.worthwhile))) {
-      kv_pack = at::empty({pack.shared_bytes / 4}, q.options().dtype(at::kFloat));
-      poison(kv_pack);
-      p.kv_pack = kv_pack.data_ptr<float>();
+      p.kv_pack = pack_workspace(pack.shared_bytes, &pack_owner);
+      if (g_debug_poison.load(std::memory_order_relaxed))
+        std::memset(p.kv_pack, 0xFF, pack.shared_bytes);
       run_planned_phase(p, Phase::PackKV, isa, tier, pack);
     }
     run_phase(p, Phase::Forward);

@@ -22,7 +22,7 @@ struct Blocks {
 template <class Ops>
 Blocks choose_blocks(const AttnParams& p) {
   constexpr int64_t kL2PanelBytes = 256 * 1024;
-  constexpr int64_t kMinBk = 64, kMaxBk = 512;
+  constexpr int64_t kMinBk = 64, kMaxBk = 256;
   Blocks bl;
   const int64_t bq = p.Lq >= Ops::kBlockQ ? Ops::kBlockQ : round_up(max64(p.Lq, 1), Ops::MR);
   int64_t bk = kL2PanelBytes / (4 * (p.D + p.Dv));

@@ -24,7 +24,7 @@ template <class Ops, class T>
 struct FlashBackward {
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
-    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, keep, total;
+    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, total;
   };
   static Layout layout(const AttnParams& p, const Blocks& bl) {
     Layout L;
@@ -56,7 +56,6 @@ struct FlashBackward {
     L.dv = take(int64_t(bl.bk) * dvp);    // dV accumulator
     L.dq = take(int64_t(bl.bq) * dp_);    // dQ accumulator
     L.mask = take(int64_t(bl.bq) * bkp);
-    L.keep = take(bkp / 4 + 1);
     L.total = off;
     return L;
   }
@@ -88,7 +87,6 @@ struct FlashBackward {
     float* s = scratch + L.s;
     float* pd = scratch + L.pd;
     float* dp = scratch + L.dp;
-    uint8_t* keep = reinterpret_cast<uint8_t*>(scratch + L.keep);
     MaskTile mt{scratch + L.mask, L.lds, false};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
@@ -109,7 +107,7 @@ struct FlashBackward {
         any = true;
         Ops::exp2_row_sum(srow, nk, *lse_ptr(p, b, h, i) * kLog2e);
       }
-      if (dropout) dropout_apply_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds, keep);
+      if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);
     }
     tile->pd = dropout ? pd : s;
     tile->ds = dp;
@@ -122,7 +120,7 @@ struct FlashBackward {
       const int64_t i = i0 + r;
       float* srow = s + int64_t(r) * L.lds;
       float* dprow = dp + int64_t(r) * L.lds;
-      if (dropout) dropout_apply_row(p, bh, i, j0, nk, dprow, dprow, keep);
+      if (dropout) Ops::dropout_row(p, bh, i, j0, nk, dprow, dprow);
       const float di = *delta_ptr(p, b, h, i);
       for (int c = 0; c < nk; ++c) dprow[c] = srow[c] * (dprow[c] - di);
     }

@@ -152,16 +152,6 @@ inline int64_t kv_end_for_rows(const AttnParams& p, int64_t i0, int nq) {
   return p.causal ? min64(p.Lk, i0 + nq) : p.Lk;
 }
 
-// ---- dropout -------------------------------------------------------------------------------------
-// Multiplies row segment x[0..n) (columns [j0, j0+n) of row i, head bh) by keep / (1 - p).
-inline void dropout_apply_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,
-                              const float* x, float* out, uint8_t* keep_buf) {
-  const uint32_t thr = dropout_threshold(p.dropout_p);
-  const float rscale = 1.0f / (1.0f - p.dropout_p);
-  dropout_keep_row(p.seed, p.offset, bh, i, j0, n, thr, keep_buf);
-  for (int c = 0; c < n; ++c) out[c] = keep_buf[c] ? x[c] * rscale : 0.0f;
-}
-
 }  // namespace FLASHSDPA_TIER_NS
 }  // namespace cpu
 }  // namespace flashsdpa

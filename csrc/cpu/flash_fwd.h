@@ -23,7 +23,7 @@ struct FlashForward {
   // Scratch (floats) of one thread, carved in this order.
   struct Layout {
     int ldq, lds, ldacc;
-    int64_t q, kt, v, s, acc, m, l, mask, keep, total;
+    int64_t q, kt, v, s, acc, m, l, mask, total;
   };
   static Layout layout(const AttnParams& p, const Blocks& bl) {
     Layout L;
@@ -46,7 +46,6 @@ struct FlashForward {
     L.m = take(bl.bq);
     L.l = take(bl.bq);
     L.mask = take(int64_t(bl.bq) * bkp);
-    L.keep = take(bkp / 4 + 1);  // bytes of keep flags, bkp of them
     L.total = off;
     return L;
   }
@@ -95,7 +94,6 @@ struct FlashForward {
     float* m = scratch + L.m;
     float* l = scratch + L.l;
     MaskTile mt{scratch + L.mask, L.lds, false};
-    uint8_t* keep = reinterpret_cast<uint8_t*>(scratch + L.keep);
     const float scale_log2 = p.scale * kLog2e;
     const bool dropout = p.dropout_p > 0.0f;
 
@@ -150,7 +148,7 @@ struct FlashForward {
         l[r] = l[r] * alpha + rowsum;
         m[r] = m_new;
         if (alpha != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha);
-        if (dropout) dropout_apply_row(p, uint64_t(bh), i, j0, w, srow, srow, keep);
+        if (dropout) Ops::dropout_row(p, uint64_t(bh), i, j0, w, srow, srow);
       }
       if (!any_row) continue;  // the whole tile is masked: skip P V
       // acc += P V_blk   [nq, Dv]

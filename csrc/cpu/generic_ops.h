@@ -11,8 +11,10 @@
 //                        B panels `bstride` floats apart
 //   score_row            s += mask (log2 domain; Q comes pre-scaled), causal cut, returns max
 //   exp2_row_sum         p = exp2(s - m), returns sum(p)
+//   dropout_row          out = x * keep / (1 - p), keep bits from Philox (scalar.h)
 //   scale_row, store_row, dot_row
 #pragma once
+#include "../params.h"
 #include "scalar.h"
 
 namespace flashsdpa {
@@ -231,6 +233,20 @@ struct GenericOps {
       sum += s[j];
     }
     return sum;
+  }
+
+  // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p) for c < n (x and out may alias).
+  static void dropout_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,
+                          const float* x, float* out) {
+    const uint32_t thr = dropout_threshold(p.dropout_p);
+    const float rscale = 1.0f / (1.0f - p.dropout_p);
+    constexpr int kChunk = 64;
+    uint8_t keep[kChunk];
+    for (int c0 = 0; c0 < n; c0 += kChunk) {
+      const int len = n - c0 < kChunk ? n - c0 : kChunk;
+      dropout_keep_row(p.seed, p.offset, bh, i, j0 + c0, len, thr, keep);
+      for (int c = 0; c < len; ++c) out[c0 + c] = keep[c] ? x[c0 + c] * rscale : 0.0f;
+    }
   }
 
   static void scale_row(float* x, int n, float a) {

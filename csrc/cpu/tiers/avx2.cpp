@@ -115,6 +115,39 @@ inline void transpose8(__m256 r[8]) {
   }
 }
 
+// ---- Philox4x32-10 on 8 counters at once (the same bits as philox4x32_10 in scalar.h) ----------
+// hi/lo 32-bit halves of a * b for 8 unsigned lanes: _mm256_mul_epu32 multiplies the even lanes,
+// so the odd lanes go through a 32-bit shift.
+inline void mulhilo8(__m256i a, __m256i b, __m256i* hi, __m256i* lo) {
+  const __m256i even = _mm256_mul_epu32(a, b);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), b);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// Philox words for counters (c0 + lane, c1, c2, c3): w[k] holds word k of each lane.
+inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32_t k0_,
+                    uint32_t k1_, __m256i w[4]) {
+  const __m256i m0 = _mm256_set1_epi32(int(0xD2511F53u)), m1 = _mm256_set1_epi32(int(0xCD9E8D57u));
+  __m256i c1 = _mm256_set1_epi32(int(c1_)), c2 = _mm256_set1_epi32(int(c2_));
+  __m256i c3 = _mm256_set1_epi32(int(c3_));
+  uint32_t k0 = k0_, k1 = k1_;
+  for (int round = 0; round < 10; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(c0, m0, &hi0, &lo0);
+    mulhilo8(c2, m1, &hi1, &lo1);
+    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(int(k0)));
+    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(int(k1)));
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
+}
+
 struct Avx2Ops : GenericOps {
   static constexpr int NR = 16;  // panel width: 2 ymm
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
@@ -273,6 +306,48 @@ struct Avx2Ops : GenericOps {
       sum = _mm256_add_ps(sum, e);
     }
     return hsum8(sum);
+  }
+
+  // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p): 32 columns per Philox call on 8 counters.
+  // Word k of counter g covers column 4g + k, so a 4 x 8 transpose puts the words in column order.
+  static void dropout_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,
+                          const float* x, float* out) {
+    if ((j0 & 3) != 0) return GenericOps::dropout_row(p, bh, i, j0, n, x, out);
+    const __m256i thr = _mm256_set1_epi32(int(dropout_threshold(p.dropout_p)));
+    const __m256 rscale = _mm256_set1_ps(1.0f / (1.0f - p.dropout_p));
+    const uint32_t k0 = uint32_t(p.seed), k1 = uint32_t(p.seed >> 32);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < n; c += 32) {
+      const __m256i g = _mm256_add_epi32(_mm256_set1_epi32(int((j0 + c) >> 2)), lane);
+      __m256i w[4];
+      philox8(g, uint32_t(i), uint32_t(bh), uint32_t(p.offset), k0, k1, w);
+      // transpose: cols[q] = columns 8q .. 8q+7 of this 32-column chunk
+      const __m256i t0 = _mm256_unpacklo_epi32(w[0], w[1]), t1 = _mm256_unpackhi_epi32(w[0], w[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(w[2], w[3]), t3 = _mm256_unpackhi_epi32(w[2], w[3]);
+      const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+      const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+      __m256i cols[4];
+      cols[0] = _mm256_permute2x128_si256(u0, u1, 0x20);  // groups 0, 1
+      cols[1] = _mm256_permute2x128_si256(u2, u3, 0x20);  // groups 2, 3
+      cols[2] = _mm256_permute2x128_si256(u0, u1, 0x31);  // groups 4, 5
+      cols[3] = _mm256_permute2x128_si256(u2, u3, 0x31);  // groups 6, 7
+      for (int q = 0; q < 4; ++q) {
+        const int c8 = c + 8 * q;
+        if (c8 >= n) break;
+        const __m256 keep = _mm256_castsi256_ps(
+            _mm256_cmpeq_epi32(_mm256_max_epu32(cols[q], thr), cols[q]));  // word >= thr
+        if (c8 + 8 <= n) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + c8), rscale);
+          _mm256_storeu_ps(out + c8, _mm256_and_ps(keep, v));
+        } else {
+          alignas(32) float kf[8];
+          _mm256_store_ps(kf, keep);
+          const float rs = 1.0f / (1.0f - p.dropout_p);
+          for (int e = 0; e < n - c8; ++e)
+            out[c8 + e] = f32_bits(kf[e]) ? x[c8 + e] * rs : 0.0f;
+        }
+      }
+    }
   }
 
   static void scale_row(float* x, int n, float a) {

@@ -163,6 +163,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         else throw py::value_error("set_kv_prepack: mode must be auto, never or always");
       },
       py::arg("mode"), "test hook: force the K/V pre-pack phase on or off");
+  m.def(
+      "set_bwd_strategy",
+      [](const std::string& mode) {
+        using flashsdpa::BwdStrategy;
+        if (mode == "auto") flashsdpa::set_bwd_strategy(BwdStrategy::Auto);
+        else if (mode == "two_sweep") flashsdpa::set_bwd_strategy(BwdStrategy::TwoSweep);
+        else if (mode == "fused") flashsdpa::set_bwd_strategy(BwdStrategy::Fused);
+        else throw py::value_error("set_bwd_strategy: mode must be auto, two_sweep or fused");
+      },
+      py::arg("mode"), "test hook: force the backward strategy");
   m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

@@ -23,6 +23,17 @@ namespace {
 
 std::atomic<bool> g_debug_poison{false};
 std::atomic<int> g_kv_prepack{int(KvPrepack::Auto)};
+std::atomic<int> g_bwd_strategy{int(BwdStrategy::Auto)};
+
+// The single-pass backward has one item per (batch, kv head), all equally expensive; it wins
+// unless those items leave threads idle: at::parallel_for gives each of T threads ceil(n / T)
+// items, and the two-sweep alternative does 7/5 of the gemm work.
+bool fused_backward_pays(int64_t n_items) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1) return true;
+  const double busy = double(n_items) / double(threads * ((n_items + threads - 1) / threads));
+  return busy >= 5.0 / 7.0 * 1.1;
+}
 
 // Largest head dim / block extent the kernels index with 32-bit ints.
 constexpr int64_t kMaxHeadDim = 1 << 16;
@@ -150,9 +161,9 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
 
 const std::string& profiler_name(Phase phase, cpu::Isa isa, DType dt) {
   static const std::string* names = [] {
-    constexpr int np = 5, ni = int(cpu::Isa::kCount), nd = 3;
+    constexpr int np = 6, ni = int(cpu::Isa::kCount), nd = 3;
     const char* phases[np] = {"cpu_forward", "cpu_bwd_delta", "cpu_bwd_dkdv", "cpu_bwd_dq",
-                              "cpu_pack_kv"};
+                              "cpu_pack_kv", "cpu_bwd_fused"};
     auto* out = new std::string[np * ni * nd];
     for (int a = 0; a < np; ++a)
       for (int b = 0; b < ni; ++b)
@@ -229,6 +240,7 @@ void draw_dropout_seed(AttnParams& p) {
 
 void set_debug_poison(bool on) { g_debug_poison.store(on); }
 void set_kv_prepack(KvPrepack policy) { g_kv_prepack.store(int(policy)); }
+void set_bwd_strategy(BwdStrategy s) { g_bwd_strategy.store(int(s)); }
 bool debug_poison() { return g_debug_poison.load(); }
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
@@ -356,8 +368,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 
   if (q.numel() > 0) {
     run_phase(p, Phase::BwdDelta);
-    run_phase(p, Phase::BwdDq);  // Lk == 0 gives dq = 0
-    run_phase(p, Phase::BwdDkDv);
+    // Two strategies with bit-identical results (the same tiles, accumulated in the same order),
+    // so picking one by thread count keeps gradients independent of the thread count.
+    const cpu::Isa isa = cpu::selected_isa(p.dtype);
+    const CpuTier& tier = *cpu::built_tier(isa);
+    const PhasePlan fused = tier.plan(p, Phase::BwdFused);
+    const auto strategy = BwdStrategy(g_bwd_strategy.load(std::memory_order_relaxed));
+    const bool use_fused = strategy == BwdStrategy::Fused ||
+                           (strategy == BwdStrategy::Auto && fused_backward_pays(fused.n_items));
+    if (use_fused) {
+      c10::DataPtr dq_acc = c10::GetCPUAllocator()->allocate(fused.shared_bytes);
+      p.dq_acc = static_cast<float*>(dq_acc.get());
+      run_planned_phase(p, Phase::BwdFused, isa, tier, fused);
+    } else {
+      run_phase(p, Phase::BwdDq);  // Lk == 0 gives dq = 0
+      run_phase(p, Phase::BwdDkDv);
+    }
   } else {  // no query rows: nothing flows back
     dq.zero_();
     dk.zero_();

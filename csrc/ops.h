@@ -32,4 +32,9 @@ bool debug_poison();
 enum class KvPrepack : int { Auto = 0, Never = 1, Always = 2 };
 void set_kv_prepack(KvPrepack policy);
 
+// Backward strategy: single pass (items per batch x kv head) or two sweeps (dk/dv per kv block,
+// then dq per q block). Same bits either way; Auto picks by shape and thread count.
+enum class BwdStrategy : int { Auto = 0, TwoSweep = 1, Fused = 2 };
+void set_bwd_strategy(BwdStrategy s);
+
 }  // namespace flashsdpa

@@ -72,6 +72,9 @@ struct AttnParams {
   // Shared buffer written by Phase::PackKV (K^T and V in the tier's fp32 panel layout, one
   // block after another), read by the forward. Null: the forward packs each block itself.
   float* kv_pack;
+
+  // Phase::BwdFused: fp32 dq accumulator [B, Hq, Lq, ld] (ld from the tier's plan).
+  float* dq_acc;
 };
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
@@ -82,12 +85,13 @@ enum class Phase : int32_t {
   BwdDelta = 1,  // items: (b, hq, q-block): delta = rowsum(dout * out)
   BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
   BwdDq = 3,     // items: (b, hq, q-block): dq
+  BwdFused = 5,  // items: (b, hkv): dk, dv and dq (into dq_acc) in one pass; replaces the two above
 };
 
 struct PhasePlan {
   int64_t n_items;        // the phase's items are [0, n_items); 0: skip the phase
   int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
-  int64_t shared_bytes;   // PackKV: size of the shared buffer (kv_pack) the caller allocates
+  int64_t shared_bytes;   // PackKV / BwdFused: size of the shared buffer (kv_pack / dq_acc)
   bool worthwhile;        // PackKV: the tier recommends running it for this shape
 };
 

@@ -91,7 +91,8 @@ def test_profiler_names_kernels():
     for expected in ("flashsdpa::flash_attn_fwd", "flashsdpa::flash_attn_bwd"):
         assert expected in names
     assert any(n.startswith("flashsdpa::cpu_forward[") for n in names), names
-    assert any(n.startswith("flashsdpa::cpu_bwd_dq[") for n in names), names
+    assert any(n.startswith(("flashsdpa::cpu_bwd_dq[", "flashsdpa::cpu_bwd_fused["))
+               for n in names), names
 
 
 def test_autocast_bf16_runs_in_bf16():

@@ -74,8 +74,10 @@ struct FlashBackward {
   }
 
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
-  // Needs qbuf, dobuf (A operands) and kt, vt (K^T, V^T panels) loaded. Returns false when every
-  // row of the tile is masked (nothing to add).
+  // Needs the q side (load_q_side) and the K^T, V^T panels (load_kv_side) loaded. Returns false
+  // when every row of the tile is masked (nothing to add). On a tile the causal diagonal crosses,
+  // rows only compute their group's columns (CausalTile) and the columns past that are set to 0
+  // (the dK / dV gemms read P and dS by column).
   struct Tile {
     const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
     const float* ds;  // dS
@@ -90,23 +92,26 @@ struct FlashBackward {
     MaskTile mt{scratch + L.mask, L.lds, false};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
+    const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
 
     // S = Q_blk K_blk^T, then P = 2^(s - lse2)
     Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, p.D * Ops::NR, s,
-                              L.lds, false);
+                              L.lds, false, ct.limit_n());
     const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
     bool any = false;
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
+      const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
       const int valid = causal_valid(p, i, j0, nk);
-      const float mx = Ops::score_row(srow, nk, mt.row(mtile, r), valid);
+      const float mx = Ops::score_row(srow, w, mt.row(mtile, r), valid);
       if (mx == kNegInf) {
-        for (int c = 0; c < nk; ++c) srow[c] = 0.0f;
+        for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
         any = true;
-        Ops::exp2_row_sum(srow, nk, *lse_ptr(p, b, h, i) * kLog2e);
+        Ops::exp2_row_sum(srow, w, *lse_ptr(p, b, h, i) * kLog2e);
       }
+      for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);
     }
     tile->pd = dropout ? pd : s;
@@ -115,14 +120,15 @@ struct FlashBackward {
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
     Ops::template gemm<false>(nq, nk, int(p.Dv), dobuf, L.lddo, scratch + L.vt, p.Dv * Ops::NR, dp,
-                              L.lds, false);
+                              L.lds, false, ct.limit_n());
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
+      const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
       float* dprow = dp + int64_t(r) * L.lds;
-      if (dropout) Ops::dropout_row(p, bh, i, j0, nk, dprow, dprow);
-      const float di = *delta_ptr(p, b, h, i);
-      for (int c = 0; c < nk; ++c) dprow[c] = srow[c] * (dprow[c] - di);
+      if (dropout) Ops::dropout_row(p, bh, i, j0, w, dprow, dprow);
+      Ops::ds_row(srow, dprow, w, *delta_ptr(p, b, h, i));
+      for (int c = w; c < nk; ++c) dprow[c] = 0.0f;
     }
     return true;
   }
@@ -140,7 +146,57 @@ struct FlashBackward {
     }
   }
 
-  // ---- phase BwdDkDv ----------------------------------------------------------------------------
+  // Packs the kv-side operands of keys [j0, j0 + nk): K^T and V^T panels (S, dP), and K panels
+  // (dQ += dS K) when with_k.
+  static void load_kv_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
+                           int64_t hk, int64_t j0, int nk, bool with_k) {
+    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
+    Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
+    if (with_k) Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
+  }
+
+  // kv block j of a kv head sees the query rows from its own row on (causal) or all of them.
+  // Every q block of every query head of the group, in this order, in both strategies.
+  static int64_t first_q_block_row(const AttnParams& p, const Blocks& bl, int64_t j0) {
+    return p.causal ? (j0 / bl.bq) * bl.bq : 0;
+  }
+
+  // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
+  static void add_dkdv(const AttnParams& p, const Layout& L, const float* scratch, int nq, int nk,
+                       const Tile& tile, float* dk, float* dv) {
+    Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop,
+                             int64_t(nq) * Ops::NR, dv, L.lddv, true);
+    Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp,
+                             int64_t(nq) * Ops::NR, dk, L.ldd, true);
+  }
+
+  // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
+  // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
+  static void add_dq(const AttnParams& p, const Layout& L, const float* scratch, int64_t i0,
+                     int nq, int64_t j0, int nk, const Tile& tile, float* dq) {
+    const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
+    Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp,
+                              int64_t(nk) * Ops::NR, dq, L.ldd, true, ct.limit_k());
+  }
+
+  static void store_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t j0,
+                         int nk, const float* dk, const float* dv) {
+    T* dkp = static_cast<T*>(p.dk) + b * p.dk_sb + hk * p.dk_sh;
+    T* dvp = static_cast<T*>(p.dv) + b * p.dv_sb + hk * p.dv_sh;
+    for (int c = 0; c < nk; ++c) {
+      Ops::store_row(dk + int64_t(c) * L.ldd, int(p.D), p.scale, dkp + (j0 + c) * p.dk_sl);
+      Ops::store_row(dv + int64_t(c) * L.lddv, int(p.Dv), 1.0f, dvp + (j0 + c) * p.dv_sl);
+    }
+  }
+
+  static void store_dq(const AttnParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
+                       int nq, const float* dq) {
+    T* dqp = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh;
+    for (int r = 0; r < nq; ++r)
+      Ops::store_row(dq + int64_t(r) * L.ldd, int(p.D), p.scale, dqp + (i0 + r) * p.dq_sl);
+  }
+
+  // ---- two-sweep strategy, phase BwdDkDv: item (b, hkv, kv-block) ------------------------------
   static int64_t dkdv_items(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
@@ -158,35 +214,20 @@ struct FlashBackward {
     for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
     for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
 
-    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
-    Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
-    // Causal: rows i < j0 see none of this block; start at the q block holding row j0.
-    const int64_t i_start = p.causal ? (j0 / bl.bq) * bl.bq : 0;
+    load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/false);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t i0 = i_start; i0 < p.Lq; i0 += bl.bq) {
+      for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
         const int nq = int(min64(bl.bq, p.Lq - i0));
         load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/true);
         Tile tile;
-        const bool any = tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile);
-        if (!any) continue;
-        // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
-        Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop,
-                                 int64_t(nq) * Ops::NR, dv, L.lddv,
-                                 true);
-        Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp,
-                                 int64_t(nq) * Ops::NR, dk,
-                                 L.ldd, true);
+        if (tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile))
+          add_dkdv(p, L, scratch, nq, nk, tile, dk, dv);
       }
     }
-    T* dkp = static_cast<T*>(p.dk) + b * p.dk_sb + hk * p.dk_sh;
-    T* dvp = static_cast<T*>(p.dv) + b * p.dv_sb + hk * p.dv_sh;
-    for (int c = 0; c < nk; ++c) {
-      Ops::store_row(dk + int64_t(c) * L.ldd, int(p.D), p.scale, dkp + (j0 + c) * p.dk_sl);
-      Ops::store_row(dv + int64_t(c) * L.lddv, int(p.Dv), 1.0f, dvp + (j0 + c) * p.dv_sl);
-    }
+    store_dkdv(p, L, b, hk, j0, nk, dk, dv);
   }
 
-  // ---- phase BwdDq ------------------------------------------------------------------------------
+  // ---- two-sweep strategy, phase BwdDq: item (b, h, q-block) -----------------------------------
   static int64_t dq_items(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
@@ -203,22 +244,55 @@ struct FlashBackward {
     for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
 
     load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/false);
-    const int64_t kv_end = kv_end_for_rows(p, i0, nq);
-    for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
-      const int nk = int(min64(bl.bk, kv_end - j0));
-      Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
-      Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
+    for (int64_t j0 = 0; j0 < kv_end_for_rows(p, i0, nq); j0 += bl.bk) {
+      const int nk = int(min64(bl.bk, p.Lk - j0));
+      load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/true);
       Tile tile;
-      if (!tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile)) continue;
-      // dQ += dS K_blk
-      Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
-      Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp,
-                                int64_t(nk) * Ops::NR, dq, L.ldd,
-                                true);
+      if (tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile))
+        add_dq(p, L, scratch, i0, nq, j0, nk, tile, dq);
     }
-    T* dqp = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh;
-    for (int r = 0; r < nq; ++r)
-      Ops::store_row(dq + int64_t(r) * L.ldd, int(p.D), p.scale, dqp + (i0 + r) * p.dq_sl);
+    store_dq(p, L, b, h, i0, nq, dq);
+  }
+
+  // ---- single-pass strategy, phase BwdFused: item (b, hkv) --------------------------------------
+  // FA2 proper: 5 gemms per tile instead of 7. Loops the kv blocks in order; dq of every query
+  // head of the group accumulates in p.dq_acc (fp32, [B, Hq, Lq, ldd]) in the same kv order as
+  // run_dq, so both strategies give bit-identical gradients. Needs B * Hkv items to keep every
+  // thread busy, which is why ops.cpp picks it by thread count.
+  static int64_t fused_items(const AttnParams& p) { return p.B * p.Hkv; }
+  static int64_t dq_acc_floats(const AttnParams& p, const Blocks& bl) {
+    return p.B * p.Hq * p.Lq * int64_t(layout(p, bl).ldd);
+  }
+  static void run_fused(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    const Layout L = layout(p, bl);
+    const int64_t b = item / p.Hkv, hk = item % p.Hkv;
+    const int64_t group = p.Hq / p.Hkv;
+    const int64_t head_rows = p.Lq * L.ldd;
+    float* dq_heads = p.dq_acc + (b * p.Hq + hk * group) * head_rows;  // the group's dq rows
+    for (int64_t x = 0; x < group * head_rows; ++x) dq_heads[x] = 0.0f;
+    float* dk = scratch + L.dk;
+    float* dv = scratch + L.dv;
+
+    for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
+      const int nk = int(min64(bl.bk, p.Lk - j0));
+      for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
+      for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
+      load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/true);
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        float* dq_h = dq_heads + (h - hk * group) * head_rows;
+        for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
+          const int nq = int(min64(bl.bq, p.Lq - i0));
+          load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/true);
+          Tile tile;
+          if (!tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile)) continue;
+          add_dkdv(p, L, scratch, nq, nk, tile, dk, dv);
+          add_dq(p, L, scratch, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
+        }
+      }
+      store_dkdv(p, L, b, hk, j0, nk, dk, dv);
+    }
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
+      store_dq(p, L, b, h, 0, int(p.Lq), dq_heads + (h - hk * group) * head_rows);
   }
 };
 

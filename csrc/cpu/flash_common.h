@@ -17,14 +17,18 @@ struct Blocks {
 };
 
 // The per-thread working set (K^T and V panels of one kv block plus the score tile) should stay
-// in L2: bk = kL2PanelBytes / (4 * (D + Dv)), clamped, rounded to the panel width. Depends on the
-// shape only, never on the thread count (results must not depend on it).
+// in L2: bk = kL2PanelBytes / (4 * (D + Dv)), clamped, rounded to the panel width (a V panel of
+// 256 rows x 16 floats still fits L1). The backward holds more tiles (P, dP, dS, mask) and the
+// q-side panels, so it takes shorter q blocks. Depends on the shape only, never on the thread
+// count (results must not depend on it).
 template <class Ops>
-Blocks choose_blocks(const AttnParams& p) {
+Blocks choose_blocks(const AttnParams& p, Phase phase) {
   constexpr int64_t kL2PanelBytes = 256 * 1024;
   constexpr int64_t kMinBk = 64, kMaxBk = 256;
+  const bool fwd = phase == Phase::Forward || phase == Phase::PackKV;
+  const int64_t bq_max = fwd ? Ops::kBlockQ : Ops::kBlockQBwd;
   Blocks bl;
-  const int64_t bq = p.Lq >= Ops::kBlockQ ? Ops::kBlockQ : round_up(max64(p.Lq, 1), Ops::MR);
+  const int64_t bq = p.Lq >= bq_max ? bq_max : round_up(max64(p.Lq, 1), Ops::MR);
   int64_t bk = kL2PanelBytes / (4 * (p.D + p.Dv));
   bk = max64(kMinBk, min64(kMaxBk, bk));
   bk = min64(bk, round_up(max64(p.Lk, 1), Ops::NR));

@@ -12,6 +12,7 @@
 //   score_row            s += mask (log2 domain; Q comes pre-scaled), causal cut, returns max
 //   exp2_row_sum         p = exp2(s - m), returns sum(p)
 //   dropout_row          out = x * keep / (1 - p), keep bits from Philox (scalar.h)
+//   ds_row               dS = P * (dP - delta)
 //   scale_row, store_row, dot_row
 #pragma once
 #include "../params.h"
@@ -114,7 +115,8 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 struct GenericOps {
   static constexpr int NR = 8;   // panel width: 2 vectors
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
-  static constexpr int kBlockQ = 64;  // query rows per block (fewer when Lq is shorter)
+  static constexpr int kBlockQ = 64;     // forward: query rows per block (fewer when Lq is shorter)
+  static constexpr int kBlockQBwd = 64;  // backward: query rows per block
 
   // dst[i*ldd + d] = mul * src[i*ld + d] for i < rows, d < cols.
   template <class T>
@@ -247,6 +249,14 @@ struct GenericOps {
       dropout_keep_row(p.seed, p.offset, bh, i, j0 + c0, len, thr, keep);
       for (int c = 0; c < len; ++c) out[c0 + c] = keep[c] ? x[c0 + c] * rscale : 0.0f;
     }
+  }
+
+  // dS = P * (dP - delta): ds[c] = p[c] * (ds[c] - delta) for c < n (ds holds dP on entry).
+  static void ds_row(const float* pr, float* ds, int n, float delta) {
+    const vf4 d4 = vsplat(delta);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) vstore(ds + j, vload(pr + j) * (vload(ds + j) - d4));
+    for (; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta);
   }
 
   static void scale_row(float* x, int n, float a) {

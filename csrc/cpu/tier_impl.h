@@ -13,7 +13,7 @@ template <class Ops>
 struct TierImpl {
   template <class T>
   static PhasePlan plan_typed(const AttnParams& p, Phase phase) {
-    const Blocks bl = choose_blocks<Ops>(p);
+    const Blocks bl = choose_blocks<Ops>(p, phase);
     PhasePlan pl{0, 0, 0, false};
     switch (phase) {
       case Phase::PackKV:
@@ -36,6 +36,11 @@ struct TierImpl {
         pl.n_items = FlashBackward<Ops, T>::dq_items(p, bl);
         pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
         break;
+      case Phase::BwdFused:
+        pl.n_items = FlashBackward<Ops, T>::fused_items(p);
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        pl.shared_bytes = 4 * FlashBackward<Ops, T>::dq_acc_floats(p, bl);
+        break;
     }
     return pl;
   }
@@ -43,7 +48,7 @@ struct TierImpl {
   template <class T>
   static void run_typed(const AttnParams& p, Phase phase, int64_t begin, int64_t end,
                         void* scratch_v) {
-    const Blocks bl = choose_blocks<Ops>(p);
+    const Blocks bl = choose_blocks<Ops>(p, phase);
     float* scratch = static_cast<float*>(scratch_v);
     for (int64_t item = begin; item < end; ++item) {
       switch (phase) {
@@ -52,6 +57,7 @@ struct TierImpl {
         case Phase::BwdDelta: FlashBackward<Ops, T>::run_delta(p, bl, item); break;
         case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
         case Phase::BwdDq: FlashBackward<Ops, T>::run_dq(p, bl, item, scratch); break;
+        case Phase::BwdFused: FlashBackward<Ops, T>::run_fused(p, bl, item, scratch); break;
       }
     }
   }

@@ -152,6 +152,7 @@ struct Avx2Ops : GenericOps {
   static constexpr int NR = 16;  // panel width: 2 ymm
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
+  static constexpr int kBlockQBwd = 64;
 
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
@@ -348,6 +349,15 @@ struct Avx2Ops : GenericOps {
         }
       }
     }
+  }
+
+  static void ds_row(const float* pr, float* ds, int n, float delta) {
+    const __m256 dv = _mm256_set1_ps(delta);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j),
+                                             _mm256_sub_ps(_mm256_loadu_ps(ds + j), dv)));
+    for (; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta);
   }
 
   static void scale_row(float* x, int n, float a) {

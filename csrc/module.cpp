@@ -173,6 +173,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         else throw py::value_error("set_bwd_strategy: mode must be auto, two_sweep or fused");
       },
       py::arg("mode"), "test hook: force the backward strategy");
+  m.def("set_block_override", &flashsdpa::set_block_override, py::arg("fwd_bq") = 0,
+        py::arg("fwd_bk") = 0, py::arg("bwd_bq") = 0, py::arg("bwd_bk") = 0,
+        "tuning hook: block sizes replacing the tier's choice (0 keeps it)");
   m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

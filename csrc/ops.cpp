@@ -24,6 +24,7 @@ namespace {
 std::atomic<bool> g_debug_poison{false};
 std::atomic<int> g_kv_prepack{int(KvPrepack::Auto)};
 std::atomic<int> g_bwd_strategy{int(BwdStrategy::Auto)};
+std::atomic<int> g_blocks[4] = {{0}, {0}, {0}, {0}};  // fwd bq, fwd bk, bwd bq, bwd bk
 
 // The single-pass backward has one item per (batch, kv head), all equally expensive; it wins
 // unless those items leave threads idle: at::parallel_for gives each of T threads ceil(n / T)
@@ -241,6 +242,9 @@ void draw_dropout_seed(AttnParams& p) {
 void set_debug_poison(bool on) { g_debug_poison.store(on); }
 void set_kv_prepack(KvPrepack policy) { g_kv_prepack.store(int(policy)); }
 void set_bwd_strategy(BwdStrategy s) { g_bwd_strategy.store(int(s)); }
+void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk) {
+  g_blocks[0] = fwd_bq, g_blocks[1] = fwd_bk, g_blocks[2] = bwd_bq, g_blocks[3] = bwd_bk;
+}
 bool debug_poison() { return g_debug_poison.load(); }
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
@@ -282,6 +286,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   }
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
+  p.bq_override = g_blocks[0], p.bk_override = g_blocks[1];
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
   if (out.numel() > 0) {
@@ -365,6 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   p.dv = dv.data_ptr();
   p.dv_sb = dv.stride(0), p.dv_sh = dv.stride(1), p.dv_sl = dv.stride(2);
   p.delta = delta.data_ptr<float>();
+  p.bq_override = g_blocks[2], p.bk_override = g_blocks[3];
 
   if (q.numel() > 0) {
     run_phase(p, Phase::BwdDelta);

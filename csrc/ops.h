@@ -37,4 +37,7 @@ void set_kv_prepack(KvPrepack policy);
 enum class BwdStrategy : int { Auto = 0, TwoSweep = 1, Fused = 2 };
 void set_bwd_strategy(BwdStrategy s);
 
+// Tuning hook (bench/tune_blocks.py): block sizes replacing the tier's choice; 0 keeps it.
+void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk);
+
 }  // namespace flashsdpa

@@ -75,6 +75,9 @@ struct AttnParams {
 
   // Phase::BwdFused: fp32 dq accumulator [B, Hq, Lq, ld] (ld from the tier's plan).
   float* dq_acc;
+
+  // Tuning hook: block sizes to use instead of the tier's choice (0: the tier's choice).
+  int32_t bq_override, bk_override;
 };
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;

@@ -24,15 +24,17 @@ struct Blocks {
 template <class Ops>
 Blocks choose_blocks(const AttnParams& p, Phase phase) {
   constexpr int64_t kL2PanelBytes = 256 * 1024;
-  constexpr int64_t kMinBk = 64, kMaxBk = 256;
+  constexpr int64_t kMinBk = 64, kMaxBk = 256, kMaxBkBwd = 256;
   const bool fwd = phase == Phase::Forward || phase == Phase::PackKV;
   const int64_t bq_max = fwd ? Ops::kBlockQ : Ops::kBlockQBwd;
   Blocks bl;
-  const int64_t bq = p.Lq >= bq_max ? bq_max : round_up(max64(p.Lq, 1), Ops::MR);
+  int64_t bq = p.Lq >= bq_max ? bq_max : round_up(max64(p.Lq, 1), Ops::MR);
   int64_t bk = kL2PanelBytes / (4 * (p.D + p.Dv));
-  bk = max64(kMinBk, min64(kMaxBk, bk));
+  bk = max64(kMinBk, min64(fwd ? kMaxBk : kMaxBkBwd, bk));
   bk = min64(bk, round_up(max64(p.Lk, 1), Ops::NR));
   bk = round_up(bk, Ops::NR);
+  if (p.bq_override > 0) bq = round_up(p.bq_override, Ops::MR);
+  if (p.bk_override > 0) bk = round_up(p.bk_override, Ops::NR);
   bl.bq = int(bq);
   bl.bk = int(bk);
   return bl;

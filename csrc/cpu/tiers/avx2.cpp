@@ -152,7 +152,7 @@ struct Avx2Ops : GenericOps {
   static constexpr int NR = 16;  // panel width: 2 ymm
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
-  static constexpr int kBlockQBwd = 64;
+  static constexpr int kBlockQBwd = 96;
 
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,

@@ -6,6 +6,7 @@
 
 #include "cpu/isa.h"
 #include "ops.h"
+#include "routing.h"
 
 #define FLASHSDPA_TIER_NS reference
 #include "cpu/scalar.h"
@@ -173,6 +174,46 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         else throw py::value_error("set_bwd_strategy: mode must be auto, two_sweep or fused");
       },
       py::arg("mode"), "test hook: force the backward strategy");
+  m.def("routing_enable", &flashsdpa::routing_enable,
+        "install the aten SDPA overrides (flashsdpa.enable)");
+  m.def("routing_disable", &flashsdpa::routing_disable, "remove them (flashsdpa.disable)");
+  m.def("routing_enabled", &flashsdpa::routing_enabled);
+  m.def(
+      "decline_reasons",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const c10::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
+        return flashsdpa::decline_reasons(q, k, v, mask, dropout_p, enable_gqa);
+      },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
+      py::arg("dropout_p"), py::arg("enable_gqa"));
+  m.def(
+      "check_sdpa_args",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const c10::optional<at::Tensor>& mask, double dropout_p, c10::optional<double> scale,
+         bool enable_gqa) { flashsdpa::check_sdpa_args(q, k, v, mask, dropout_p, scale, enable_gqa); },
+      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
+      py::arg("dropout_p"), py::arg("scale"), py::arg("enable_gqa"));
+  m.def(
+      "set_fallback_logger",
+      [](py::object fn) {
+        // Leaked on purpose: a static py::object would be destroyed after the interpreter.
+        static py::object* holder = new py::object();
+        *holder = fn;
+        if (fn.is_none()) {
+          flashsdpa::set_fallback_sink(nullptr);
+          return;
+        }
+        flashsdpa::set_fallback_sink([](const std::string& reason) {
+          py::gil_scoped_acquire gil;
+          try {
+            (*holder)(reason);
+          } catch (py::error_already_set& e) {
+            e.discard_as_unraisable("flashsdpa fallback logger");
+          }
+        });
+      },
+      py::arg("fn"), "called once per distinct fallback reason");
+  m.def("reset_fallback_notes", &flashsdpa::reset_fallback_notes);
   m.def("set_block_override", &flashsdpa::set_block_override, py::arg("fwd_bq") = 0,
         py::arg("fwd_bk") = 0, py::arg("bwd_bq") = 0, py::arg("bwd_bk") = 0,
         "tuning hook: block sizes replacing the tier's choice (0 keeps it)");

@@ -411,6 +411,12 @@ TORCH_LIBRARY(flashsdpa, m) {
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask=None, float dropout_p=0., "
       "bool is_causal=False, *, float? scale=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // The direct API (a CompositeImplicitAutograd kernel in routing.cpp): same contract as
+  // aten::scaled_dot_product_attention.
+  m.def(
+      "sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0., "
+      "bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",
+      {at::Tag::nondeterministic_seeded});
 }
 
 TORCH_LIBRARY_IMPL(flashsdpa, CPU, m) {

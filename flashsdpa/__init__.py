@@ -12,7 +12,7 @@ from . import _ops  # noqa: F401  (registers torch.ops.flashsdpa.* and their aut
 from ._api import explain, scaled_dot_product_attention
 from ._isa import configure_from_env as _configure_from_env
 from ._isa import cpu_isa
-from ._state import disable, enable, enabled, is_enabled
+from ._routing import disable, enable, enabled, is_enabled
 
 __version__ = "0.1.0"
 __all__ = [

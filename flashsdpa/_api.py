@@ -5,131 +5,12 @@ served by a flashsdpa kernel or (3) declined with a reason and passed to PyTorch
 scaled_dot_product_attention. `explain()` shows the same decision in words.
 """
 import torch
-import torch.nn.functional as F
 
-from . import _C, _ops
+from . import _C, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MASK_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
-# PyTorch's own implementation, captured at import: the fallback must never route back to us
-# once F.scaled_dot_product_attention itself is redirected.
-_torch_sdpa = F.scaled_dot_product_attention
-
-
-def _arg_error(msg):
-    return ValueError("flashsdpa.scaled_dot_product_attention: " + msg)
-
-
-def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """Raises ValueError/TypeError for input that no SDPA implementation accepts.
-
-    Only errors PyTorch also raises are raised here (with a message naming the argument), so
-    anything valid for F.scaled_dot_product_attention stays valid for flashsdpa."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"flashsdpa.scaled_dot_product_attention: {name} must be a Tensor, "
-                            f"got {type(t).__name__}")
-        if t.dim() < 2:
-            raise _arg_error(f"{name} must have at least 2 dims (..., seq_len, head_dim), got "
-                             f"{t.dim()}-D")
-        if not (t.is_floating_point()):
-            raise _arg_error(f"{name}.dtype must be a floating-point type, got {t.dtype}")
-    if key.dtype != query.dtype:
-        raise _arg_error(f"key.dtype ({key.dtype}) must match query.dtype ({query.dtype})")
-    if value.dtype != query.dtype:
-        raise _arg_error(f"value.dtype ({value.dtype}) must match query.dtype ({query.dtype})")
-    if not isinstance(dropout_p, (int, float)) or not (0.0 <= dropout_p <= 1.0):
-        raise _arg_error(f"dropout_p must be a number in [0, 1], got {dropout_p!r}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise _arg_error(f"scale must be a float or None, got {type(scale).__name__}")
-    if key.shape[-1] != query.shape[-1]:
-        raise _arg_error(f"key head_dim ({key.shape[-1]}) must match query head_dim "
-                         f"({query.shape[-1]})")
-    if key.shape[-2] != value.shape[-2]:
-        raise _arg_error(f"key seq_len ({key.shape[-2]}) must match value seq_len "
-                         f"({value.shape[-2]})")
-    if query.dim() == 4 and key.dim() == 4 and value.dim() == 4:
-        b = query.shape[0]
-        for name, t in (("key", key), ("value", value)):
-            if t.shape[0] not in (1, b):
-                raise _arg_error(f"{name} batch size ({t.shape[0]}) must match query batch size "
-                                 f"({b})")
-        hq, hk, hv = query.shape[1], key.shape[1], value.shape[1]
-        if hk != hv:
-            raise _arg_error(f"key heads ({hk}) must match value heads ({hv})")
-        if enable_gqa:
-            if hk == 0 or hq % hk != 0:
-                raise _arg_error(f"query heads ({hq}) must be a multiple of key/value heads "
-                                 f"({hk}) with enable_gqa=True")
-        elif hk not in (1, hq):
-            raise _arg_error(f"query heads ({hq}) differ from key/value heads ({hk}); pass "
-                             f"enable_gqa=True for grouped-query attention")
-    if attn_mask is not None:
-        if not isinstance(attn_mask, torch.Tensor):
-            raise TypeError("flashsdpa.scaled_dot_product_attention: attn_mask must be a Tensor "
-                            f"or None, got {type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and attn_mask.dtype != torch.float32 \
-                and attn_mask.dtype != query.dtype:
-            raise _arg_error(f"attn_mask.dtype must be bool, float32 or query.dtype "
-                             f"({query.dtype}), got {attn_mask.dtype}")
-        target = tuple(query.shape[:-1]) + (key.shape[-2],)
-        if attn_mask.dim() > len(target) or any(
-                m != 1 and m != t for m, t in zip(reversed(attn_mask.shape), reversed(target))):
-            raise _arg_error(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                             f"the attention shape {target} (..., L, S)")
-
-
-def _decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa):
-    """Why the flashsdpa CPU kernel cannot take this (valid) call; empty if it can."""
-    reasons = []
-    if query.device.type != "cpu" or key.device.type != "cpu" or value.device.type != "cpu":
-        reasons.append(f"tensors on {query.device.type}: only CPU kernels are built in")
-    if query.dtype not in _KERNEL_DTYPES:
-        reasons.append(f"dtype {query.dtype}: kernels take float32, bfloat16, float16")
-    if query.is_nested or key.is_nested or value.is_nested:
-        reasons.append("nested tensors")
-    if not (query.dim() == key.dim() == value.dim() and query.dim() in (3, 4)):
-        reasons.append(f"ranks query {query.dim()}-D, key {key.dim()}-D, value {value.dim()}-D: "
-                       "kernels take 3-D or 4-D query/key/value of the same rank")
-    elif query.dim() == 3 and (key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]):
-        reasons.append("3-D inputs with broadcast batch")
-    if query.shape[-1] == 0 or value.shape[-1] == 0:
-        reasons.append("head_dim 0")
-    if dropout_p >= 1.0:
-        reasons.append("dropout_p == 1 (the output is all zeros)")
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
-        reasons.append("attn_mask requires grad: flashsdpa computes no mask gradient")
-    return reasons
-
-
-def _to_4d(query, key, value, attn_mask):
-    """3-D (N, L, E) inputs become (N, 1, L, E); a 4-D batch of size 1 broadcasts by stride 0."""
-    if query.dim() == 3:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-        if attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = attn_mask.unsqueeze(1)
-    else:
-        b = query.shape[0]
-        if key.shape[0] != b:
-            key = key.expand(b, -1, -1, -1)
-        if value.shape[0] != b:
-            value = value.expand(b, -1, -1, -1)
-    return query, key, value, attn_mask
-
-
-def _autocast(query, key, value, attn_mask):
-    """Mirror PyTorch's CPU autocast rule for SDPA: float inputs run in the autocast dtype."""
-    if not torch.is_autocast_enabled("cpu") or query.device.type != "cpu":
-        return query, key, value, attn_mask
-    dt = torch.get_autocast_dtype("cpu")
-    if query.dtype != torch.float32:
-        return query, key, value, attn_mask
-    query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(dt)
-    return query, key, value, attn_mask
+_sdpa_op = torch.ops.flashsdpa.sdpa.default
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -138,21 +19,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Same arguments and semantics: causal masking is top-left aligned, a bool mask means
     "attend where True", a float mask is added to the scores, dropout applies to the attention
-    probabilities (p in [0, 1)), scale defaults to 1/sqrt(head_dim), enable_gqa lets key/value
+    probabilities (p in [0, 1]), scale defaults to 1/sqrt(head_dim), enable_gqa lets key/value
     have fewer heads. Rows with nothing to attend to give 0 (as PyTorch's fused CPU kernel).
     Differentiable in query, key and value. Calls the kernels cannot take go to PyTorch;
-    `flashsdpa.explain(...)` says which and why.
+    `flashsdpa.explain(...)` says which and why. Bad input raises ValueError naming the argument.
     """
-    _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    if _decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa):
-        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    squeeze = query.dim() == 3
-    q, k, v, mask = _to_4d(query, key, value, attn_mask)
-    out, _, _ = _ops.flash_attn_fwd(q, k, v, mask, float(dropout_p), bool(is_causal),
-                                    scale=None if scale is None else float(scale))
-    return out.squeeze(1) if squeeze else out
+    return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                    enable_gqa=enable_gqa)
+
+
+def _autocast(query, key, value, attn_mask):
+    """What PyTorch's CPU autocast rule for SDPA does to the inputs (explain() only)."""
+    if not torch.is_autocast_enabled("cpu") or query.device.type != "cpu" \
+            or query.dtype != torch.float32:
+        return query, key, value, attn_mask
+    dt = torch.get_autocast_dtype("cpu")
+    if attn_mask is not None and attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(dt)
+    return query.to(dt), key.to(dt), value.to(dt), attn_mask
 
 
 # ---- explain ---------------------------------------------------------------------------------------
@@ -193,19 +77,20 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     lines = ["flashsdpa.explain: " + _describe_call(query, key, value, attn_mask, dropout_p,
                                                      is_causal, scale, enable_gqa)]
     try:
-        _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    except (ValueError, TypeError) as e:
+        _C.check_sdpa_args(query, key, value, attn_mask, float(dropout_p),
+                           None if scale is None else float(scale), bool(enable_gqa))
+    except (ValueError, TypeError, RuntimeError) as e:
         lines.append(f"  invalid arguments, the call raises: {e}")
         return "\n".join(lines)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    reasons = _decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa)
+    reasons = _C.decline_reasons(query, key, value, attn_mask, float(dropout_p), bool(enable_gqa))
+    choice = _torch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if reasons:
         lines.append("  flashsdpa declines:")
         lines += [f"    - {r}" for r in reasons]
-        choice = _torch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa)
         lines.append(f"  runs instead: torch.nn.functional.scaled_dot_product_attention "
                      f"({choice})")
+        lines.append(_routed_line(query, reasons, choice))
         return "\n".join(lines)
 
     dt = _DTYPE_NAMES[query.dtype]
@@ -232,4 +117,24 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
         lines.append("  with: " + "; ".join(features))
     lines.append("  ops: flashsdpa::flash_attn_fwd, backward flashsdpa::flash_attn_bwd "
                  "(blocked FA2, gradients accumulated in fp32)")
+    lines.append(_routed_line(query, reasons, choice))
     return "\n".join(lines)
+
+
+def _routed_line(query, reasons, choice):
+    """What F.scaled_dot_product_attention does with the same arguments (routing state)."""
+    from ._routing import is_enabled
+    head = "  F.scaled_dot_product_attention: "
+    if not is_enabled():
+        return head + f"flashsdpa not enabled, so {choice} (flashsdpa.enable() to route)"
+    if query.device.type != "cpu":
+        return head + f"{choice} (flashsdpa routes CPU tensors only)"
+    if not torch.backends.cuda.flash_sdp_enabled():
+        return head + f"{choice} (sdpa_kernel() excludes FLASH_ATTENTION, so flashsdpa stays out)"
+    if "flash" in choice:
+        return head + ("flashsdpa's kernel through the overridden "
+                       "aten::_scaled_dot_product_flash_attention_for_cpu"
+                       if not reasons else f"{choice}")
+    if not reasons:
+        return head + "flashsdpa's kernel (a case PyTorch would run on its math path)"
+    return head + choice

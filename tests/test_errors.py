@@ -1,4 +1,6 @@
 """Bad input gets a clear error naming the argument, from the direct API and from the ops."""
+import re
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ def r(*shape, dtype=torch.float32):
 API_CASES = [
     # (id, args, kwargs, exception, message fragment)
     ("query rank 1", (r(8), r(5, 8), r(5, 8)), {}, ValueError, "query must have at least 2"),
-    ("key not tensor", (r(1, 2, 4, 8), [1.0], r(1, 2, 5, 8)), {}, TypeError, "key must be a Tensor"),
+    ("key not tensor", (r(1, 2, 4, 8), [1.0], r(1, 2, 5, 8)), {}, RuntimeError,
+     "for argument 'key'"),
     ("mixed dtypes", (r(1, 2, 4, 8), r(1, 2, 5, 8, dtype=torch.float64), r(1, 2, 5, 8)), {},
      ValueError, "key.dtype"),
     ("value dtype", (r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8, dtype=torch.bfloat16)), {},
@@ -48,14 +51,14 @@ API_CASES = [
     ("mask f16 with f32 query", (r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)),
      {"attn_mask": torch.zeros(4, 5, dtype=torch.float16)}, ValueError, "attn_mask.dtype"),
     ("scale string", (r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)), {"scale": "big"},
-     ValueError, "scale"),
+     RuntimeError, "for argument 'scale'"),
 ]
 
 
 @pytest.mark.parametrize("case", API_CASES, ids=[c[0] for c in API_CASES])
 def test_direct_api_errors(case):
     _, args, kwargs, exc, fragment = case
-    with pytest.raises(exc, match=fragment.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(exc, match=re.escape(fragment)):
         sdpa(*args, **kwargs)
 
 

@@ -70,17 +70,25 @@ def test_compile_fullgraph(backend):
 
 
 def test_compiled_graph_holds_our_op():
+    """After AOT autograd the forward graph calls flashsdpa::flash_attn_fwd, the backward graph
+    flashsdpa::flash_attn_bwd: single nodes, no decomposition, no graph break."""
+    from torch._dynamo.backends.common import aot_autograd
     torch._dynamo.reset()
-    seen = []
+    seen = {"fw": [], "bw": []}
 
-    def backend(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
-        return gm
+    def capture(kind):
+        def compiler(gm, example_inputs):
+            seen[kind].extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm
+        return compiler
 
-    q, k, v = make_qkv(1, 2, 2, 8, 8, 8)
-    torch.compile(lambda q, k, v: flashsdpa.scaled_dot_product_attention(q, k, v),
-                  fullgraph=True, backend=backend)(q, k, v)
-    assert any("flashsdpa.flash_attn_fwd" in s for s in seen), seen
+    backend = aot_autograd(fw_compiler=capture("fw"), bw_compiler=capture("bw"))
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 8, requires_grad=True)
+    out = torch.compile(lambda q, k, v: flashsdpa.scaled_dot_product_attention(q, k, v),
+                        fullgraph=True, backend=backend)(q, k, v)
+    out.sum().backward()
+    assert any("flashsdpa.flash_attn_fwd" in s for s in seen["fw"]), seen["fw"]
+    assert any("flashsdpa.flash_attn_bwd" in s for s in seen["bw"]), seen["bw"]
 
 
 def test_profiler_names_kernels():

@@ -1,0 +1,58 @@
+"""flashsdpa.enable() / disable() / enabled(): route torch.nn.functional.scaled_dot_product_attention
+to flashsdpa's kernels.
+
+enable() installs C++ kernels (csrc/routing.cpp) for
+  * aten::_scaled_dot_product_flash_attention_for_cpu and its backward (CPU key): everything
+    PyTorch sends to its fused CPU kernel runs flashsdpa's, under PyTorch's own checks, autograd
+    formula and meta kernels (so torch.compile graphs call it too);
+  * aten::scaled_dot_product_attention (CompositeImplicitAutograd): calls PyTorch would send to
+    its math path but flashsdpa fuses (dropout in training, 3-D inputs, Dv != D, 3-D masks).
+Everything else runs exactly what PyTorch would have run. `sdpa_kernel(...)` without
+SDPBackend.FLASH_ATTENTION keeps flashsdpa out. disable() removes the kernels again.
+"""
+import contextlib
+import logging
+import threading
+
+from . import _C
+
+logger = logging.getLogger("flashsdpa")
+_lock = threading.RLock()
+
+
+def _log_fallback(reason):
+    logger.debug("flashsdpa fallback to PyTorch: %s", reason)
+
+
+_C.set_fallback_logger(_log_fallback)
+
+
+def enable():
+    """Route torch.nn.functional.scaled_dot_product_attention (and the modules built on it) to
+    flashsdpa wherever it can take the call. Idempotent, thread-safe."""
+    with _lock:
+        _C.routing_enable()
+
+
+def disable():
+    """Restore PyTorch's own SDPA kernels. Idempotent, thread-safe."""
+    with _lock:
+        _C.routing_disable()
+
+
+def is_enabled():
+    return _C.routing_enabled()
+
+
+@contextlib.contextmanager
+def enabled(on=True):
+    """Context manager: flashsdpa enabled (or, with on=False, disabled) inside the block; the
+    previous state is restored on exit, also when the block raises."""
+    with _lock:
+        previous = is_enabled()
+        (enable if on else disable)()
+    try:
+        yield
+    finally:
+        with _lock:
+            (enable if previous else disable)()

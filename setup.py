@@ -75,9 +75,12 @@ setup(
     description="Fused flash attention for CPUs (AVX2/AVX-512/AMX) and Intel GPUs (Triton), "
     "behind torch.nn.functional.scaled_dot_product_attention",
     packages=["flashsdpa", "flashsdpa.kernels"],
+    py_modules=["flashsdpa_autoload"],
     package_dir={"flashsdpa": "flashsdpa", "flashsdpa.kernels": "kernels"},
     ext_modules=[make_extension()],
     cmdclass={"build_ext": TierBuildExtension.with_options(use_ninja=True)},
+    # FLASHSDPA_AUTOLOAD=1: `import torch` enables flashsdpa (PyTorch's backend autoload hook)
+    entry_points={"torch.backends": ["flashsdpa = flashsdpa_autoload:autoload"]},
     python_requires=">=3.9",
     install_requires=["torch"],
     zip_safe=False,

@@ -136,15 +136,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
       grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale);
 }
 
+// True while torch.compile / export traces (fake or functional tensors, or a Python dispatch
+// mode). A traced graph must hold flashsdpa's own op: a graph holding the aten flash op would
+// reach PyTorch's kernel directly through cpp_wrapper's C shim, bypassing the dispatcher.
+bool tracing(const at::Tensor& t) {
+  constexpr auto kTraceKeys = c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  return t.key_set().has_any(kTraceKeys) ||
+         c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
+}
+
 at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      c10::optional<double> scale, bool enable_gqa) {
   // Not ours to take: other devices, or the user excluded the flash backend (sdpa_kernel).
   if (!q.device().is_cpu() || !at::globalContext().userEnabledFlashSDP())
     return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
-  // What PyTorch sends to its fused kernel reaches ours through the overridden aten op, under
-  // PyTorch's own checks and autograd formula. Only calls it would send to math are taken here.
-  if (q.dim() == 4 && k.dim() == 4 && v.dim() == 4) {
+  // Eager: what PyTorch sends to its fused kernel reaches ours through the overridden aten op,
+  // under PyTorch's own checks and (C++) autograd formula; only calls it would send to math are
+  // taken here. Traced: every call flashsdpa supports becomes its own op.
+  if (!tracing(q) && q.dim() == 4 && k.dim() == 4 && v.dim() == 4) {
     const int64_t choice = at::_fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale,
                                                  enable_gqa);
     if (choice == kSdpFlash) return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);

@@ -9,6 +9,11 @@ enable() installs C++ kernels (csrc/routing.cpp) for
     its math path but flashsdpa fuses (dropout in training, 3-D inputs, Dv != D, 3-D masks).
 Everything else runs exactly what PyTorch would have run. `sdpa_kernel(...)` without
 SDPBackend.FLASH_ATTENTION keeps flashsdpa out. disable() removes the kernels again.
+
+torch.compile: while enabled, traced graphs hold flashsdpa's own ops, and the routing state is
+part of the compile cache key (torch.compiler.config.cache_key_tag), so Inductor's on-disk
+caches never hand a graph traced in one state to the other. Functions already compiled in this
+process keep the graph they were traced with: call torch._dynamo.reset() after toggling.
 """
 import contextlib
 import logging
@@ -27,17 +32,30 @@ def _log_fallback(reason):
 _C.set_fallback_logger(_log_fallback)
 
 
+_CACHE_TAG = "flashsdpa-routing"
+
+
+def _set_cache_tag(on):
+    import torch.compiler.config as compiler_config
+    tags = [t for t in compiler_config.cache_key_tag.split(",") if t and t != _CACHE_TAG]
+    if on:
+        tags.append(_CACHE_TAG)
+    compiler_config.cache_key_tag = ",".join(tags)
+
+
 def enable():
     """Route torch.nn.functional.scaled_dot_product_attention (and the modules built on it) to
     flashsdpa wherever it can take the call. Idempotent, thread-safe."""
     with _lock:
         _C.routing_enable()
+        _set_cache_tag(True)
 
 
 def disable():
     """Restore PyTorch's own SDPA kernels. Idempotent, thread-safe."""
     with _lock:
         _C.routing_disable()
+        _set_cache_tag(False)
 
 
 def is_enabled():

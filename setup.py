@@ -18,7 +18,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
-GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/module.cpp", "csrc/cpu/isa.cpp"]
+GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/autograd.cpp", "csrc/module.cpp",
+                   "csrc/cpu/isa.cpp"]
 
 # tier name -> (source, compiler flags, build it on this architecture?)
 TIERS = {

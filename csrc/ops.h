@@ -6,6 +6,14 @@
 
 namespace flashsdpa {
 
+using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+    double, bool, c10::optional<double>);
+using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, double, bool,
+    c10::optional<double>);
+
 // q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
 // (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2])
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(

@@ -91,10 +91,7 @@ at::Tensor run_ours(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     c10::optional<double> scale) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                           const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const c10::optional<at::Tensor>&, double, bool,
-                           c10::optional<double>)>();
+                       .typed<FwdSignature>();
   const Shaped s = to_4d(q, k, v, mask);
   at::Tensor out = std::get<0>(op.call(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale));
   return s.squeeze ? out.squeeze(1) : out;

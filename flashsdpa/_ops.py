@@ -1,4 +1,4 @@
-"""The flashsdpa ops: native CPU kernels (flashsdpa._C), fake kernels and autograd.
+"""The flashsdpa ops: native CPU kernels and autograd (flashsdpa._C), fake kernels here.
 
 torch.ops.flashsdpa.flash_attn_fwd(query, key, value, attn_mask=None, dropout_p=0.,
                                    is_causal=False, *, scale=None)
@@ -46,24 +46,5 @@ def _bwd_fake(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask=
 
     return grad_like(query), grad_like(key), grad_like(value)
 
-
-def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal = inputs
-    out, lse, rng_state = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng_state)
-    ctx.dropout_p = dropout_p
-    ctx.is_causal = is_causal
-    ctx.scale = keyword_only_inputs.get("scale")
-    ctx.mark_non_differentiable(lse, rng_state)
-
-
-def _backward(ctx, grad_out, _grad_lse, _grad_rng):
-    query, key, value, attn_mask, out, lse, rng_state = ctx.saved_tensors
-    dq, dk, dv = flash_attn_bwd(grad_out, query, key, value, out, lse, rng_state, attn_mask,
-                                ctx.dropout_p, ctx.is_causal, scale=ctx.scale)
-    # no gradient for the mask (masks that require grad are routed to PyTorch)
-    return dq, dk, dv, None, None, None
-
-
-torch.library.register_autograd("flashsdpa::flash_attn_fwd", _backward,
-                                setup_context=_setup_context)
+# Autograd: a C++ torch::autograd::Function (csrc/autograd.cpp) on the Autograd key, so calls
+# cost no Python; its backward calls flash_attn_bwd through the dispatcher.

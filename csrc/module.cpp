@@ -214,6 +214,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("fn"), "called once per distinct fallback reason");
   m.def("reset_fallback_notes", &flashsdpa::reset_fallback_notes);
+  m.def(
+      "set_decode_policy",
+      [](const std::string& mode) {
+        using flashsdpa::DecodePolicy;
+        if (mode == "auto") flashsdpa::set_decode_policy(DecodePolicy::Auto);
+        else if (mode == "never") flashsdpa::set_decode_policy(DecodePolicy::Never);
+        else if (mode == "always") flashsdpa::set_decode_policy(DecodePolicy::Always);
+        else throw py::value_error("set_decode_policy: mode must be auto, never or always");
+      },
+      py::arg("mode"), "test hook: force the split-KV decode path on or off");
   m.def("set_block_override", &flashsdpa::set_block_override, py::arg("fwd_bq") = 0,
         py::arg("fwd_bk") = 0, py::arg("bwd_bq") = 0, py::arg("bwd_bk") = 0,
         "tuning hook: block sizes replacing the tier's choice (0 keeps it)");

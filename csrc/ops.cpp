@@ -24,6 +24,17 @@ namespace {
 std::atomic<bool> g_debug_poison{false};
 std::atomic<int> g_kv_prepack{int(KvPrepack::Auto)};
 std::atomic<int> g_bwd_strategy{int(BwdStrategy::Auto)};
+std::atomic<int> g_decode{int(DecodePolicy::Auto)};
+
+// Largest q_len the split-KV decode path takes (bench/bench_sdpa.py --mode decode measures the
+// crossover against the prefill path). Dropout always takes the prefill path.
+constexpr int64_t kDecodeMaxLq = 16;
+
+bool use_decode_path(const AttnParams& p) {
+  const auto policy = DecodePolicy(g_decode.load(std::memory_order_relaxed));
+  if (p.dropout_p > 0.0f || policy == DecodePolicy::Never) return false;
+  return policy == DecodePolicy::Always || p.Lq <= kDecodeMaxLq;
+}
 std::atomic<int> g_blocks[4] = {{0}, {0}, {0}, {0}};  // fwd bq, fwd bk, bwd bq, bwd bk
 
 // The single-pass backward has one item per (batch, kv head), all equally expensive; it wins
@@ -162,9 +173,10 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
 
 const std::string& profiler_name(Phase phase, cpu::Isa isa, DType dt) {
   static const std::string* names = [] {
-    constexpr int np = 6, ni = int(cpu::Isa::kCount), nd = 3;
+    constexpr int np = 8, ni = int(cpu::Isa::kCount), nd = 3;
     const char* phases[np] = {"cpu_forward", "cpu_bwd_delta", "cpu_bwd_dkdv", "cpu_bwd_dq",
-                              "cpu_pack_kv", "cpu_bwd_fused"};
+                              "cpu_pack_kv", "cpu_bwd_fused", "cpu_decode_split",
+                              "cpu_decode_merge"};
     auto* out = new std::string[np * ni * nd];
     for (int a = 0; a < np; ++a)
       for (int b = 0; b < ni; ++b)
@@ -242,6 +254,7 @@ void draw_dropout_seed(AttnParams& p) {
 void set_debug_poison(bool on) { g_debug_poison.store(on); }
 void set_kv_prepack(KvPrepack policy) { g_kv_prepack.store(int(policy)); }
 void set_bwd_strategy(BwdStrategy s) { g_bwd_strategy.store(int(s)); }
+void set_decode_policy(DecodePolicy d) { g_decode.store(int(d)); }
 void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk) {
   g_blocks[0] = fwd_bq, g_blocks[1] = fwd_bk, g_blocks[2] = bwd_bq, g_blocks[3] = bwd_bk;
 }
@@ -289,7 +302,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   p.bq_override = g_blocks[0], p.bk_override = g_blocks[1];
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
-  if (out.numel() > 0) {
+  if (out.numel() > 0 && use_decode_path(p)) {
+    const cpu::Isa isa = cpu::selected_isa(p.dtype);
+    const CpuTier& tier = *cpu::built_tier(isa);
+    const PhasePlan split = tier.plan(p, Phase::DecodeSplit);
+    c10::DataPtr parts = c10::GetCPUAllocator()->allocate(split.shared_bytes);
+    p.dec_part = static_cast<float*>(parts.get());
+    run_planned_phase(p, Phase::DecodeSplit, isa, tier, split);
+    run_phase(p, Phase::DecodeMerge);
+  } else if (out.numel() > 0) {
     // K^T / V panels packed once into a shared fp32 buffer when the forward would otherwise
     // repack each kv block for every q block (O(Lk) memory, freed on return)
     const cpu::Isa isa = cpu::selected_isa(p.dtype);

@@ -45,6 +45,10 @@ void set_kv_prepack(KvPrepack policy);
 enum class BwdStrategy : int { Auto = 0, TwoSweep = 1, Fused = 2 };
 void set_bwd_strategy(BwdStrategy s);
 
+// Forward path for short queries: split-KV decode or the prefill blocking. Auto picks by q_len.
+enum class DecodePolicy : int { Auto = 0, Never = 1, Always = 2 };
+void set_decode_policy(DecodePolicy d);
+
 // Tuning hook (bench/tune_blocks.py): block sizes replacing the tier's choice; 0 keeps it.
 void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk);
 

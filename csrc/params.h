@@ -76,6 +76,9 @@ struct AttnParams {
   // Phase::BwdFused: fp32 dq accumulator [B, Hq, Lq, ld] (ld from the tier's plan).
   float* dq_acc;
 
+  // Phase::DecodeSplit / DecodeMerge: partial results of every kv split (layout: the tier's).
+  float* dec_part;
+
   // Tuning hook: block sizes to use instead of the tier's choice (0: the tier's choice).
   int32_t bq_override, bk_override;
 };
@@ -89,12 +92,15 @@ enum class Phase : int32_t {
   BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
   BwdDq = 3,     // items: (b, hq, q-block): dq
   BwdFused = 5,  // items: (b, hkv): dk, dv and dq (into dq_acc) in one pass; replaces the two above
+  DecodeSplit = 6,  // short queries, items (b, hkv, kv-split): partial softmax into dec_part
+  DecodeMerge = 7,  // items (b, hkv): merge the splits' partials into out / lse
 };
 
 struct PhasePlan {
   int64_t n_items;        // the phase's items are [0, n_items); 0: skip the phase
   int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
-  int64_t shared_bytes;   // PackKV / BwdFused: size of the shared buffer (kv_pack / dq_acc)
+  int64_t shared_bytes;   // PackKV / BwdFused / DecodeSplit: shared buffer size (kv_pack,
+                          // dq_acc, dec_part)
   bool worthwhile;        // PackKV: the tier recommends running it for this shape
 };
 

@@ -31,8 +31,11 @@ def flash_ranges(fn):
     return {e.name for e in prof.events() if e.name.startswith("flashsdpa::")}
 
 
+FWD_RANGES = ("flashsdpa::cpu_forward", "flashsdpa::cpu_decode_split")  # prefill, decode
+
+
 def has_fwd_and_bwd(names):
-    return any(n.startswith("flashsdpa::cpu_forward") for n in names) and \
+    return any(n.startswith(FWD_RANGES) for n in names) and \
         any(n.startswith(("flashsdpa::cpu_bwd_fused", "flashsdpa::cpu_bwd_dq")) for n in names)
 
 
@@ -257,7 +260,7 @@ def test_graph_compiled_before_enable_follows_the_switch():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 16)
     compiled(q, k, v)
     flashsdpa.enable()
-    assert any(n.startswith("flashsdpa::cpu_forward") for n in flash_ranges(
+    assert any(n.startswith(FWD_RANGES) for n in flash_ranges(
         lambda: compiled(q, k, v)))
     flashsdpa.disable()
     assert not flash_ranges(lambda: compiled(q, k, v))

@@ -153,6 +153,37 @@ struct CausalTile {
   }
 };
 
+// One row of the online softmax over a block of scores (srow, log2 domain, w columns computed):
+//   s += mask; causal cut at `valid`; m' = max(m, rowmax); alpha = 2^(m - m');
+//   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
+// Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
+template <class Ops>
+inline bool online_softmax_row(float* srow, int w, const float* madd, int valid, float* m,
+                               float* l, float* acc_row, int Dv) {
+  const float mx = Ops::score_row(srow, w, madd, valid);
+  const float m_new = mx > *m ? mx : *m;
+  if (m_new == kNegInf) {
+    for (int c = 0; c < w; ++c) srow[c] = 0.0f;
+    return false;
+  }
+  const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0
+  const float rowsum = Ops::exp2_row_sum(srow, w, m_new);
+  *l = *l * alpha + rowsum;
+  *m = m_new;
+  if (alpha != 1.0f) Ops::scale_row(acc_row, Dv, alpha);
+  return true;
+}
+
+// out = acc / l, lse = ln(2) * (m + log2(l)); rows with nothing to attend to (l == 0, or
+// Lk == 0) give out = 0 and lse = 0, as PyTorch's fused kernel does.
+template <class Ops, class T>
+inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, float m, float l,
+                       const float* acc_row) {
+  const bool empty = l == 0.0f;
+  *lse_ptr(p, b, h, i) = empty ? 0.0f : (m + __builtin_log2f(l)) * kLn2;
+  Ops::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
+}
+
 // Last key column + 1 that any row of [i0, i0 + nq) can see.
 inline int64_t kv_end_for_rows(const AttnParams& p, int64_t i0, int nq) {
   return p.causal ? min64(p.Lk, i0 + nq) : p.Lk;

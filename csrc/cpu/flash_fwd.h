@@ -136,18 +136,10 @@ struct FlashForward {
         const int w = ct.width(r);  // columns of this row's group: the rest is never read
         float* srow = s + int64_t(r) * L.lds;
         const int valid = causal_valid(p, i, j0, nk);
-        const float mx = Ops::score_row(srow, w, mt.row(mtile, r), valid);
-        const float m_new = mx > m[r] ? mx : m[r];
-        if (m_new == kNegInf) {  // nothing visible yet in this row: P = 0
-          for (int c = 0; c < w; ++c) srow[c] = 0.0f;
+        if (!online_softmax_row<Ops>(srow, w, mt.row(mtile, r), valid, &m[r], &l[r],
+                                     acc + int64_t(r) * L.ldacc, Dv))
           continue;
-        }
         any_row = true;
-        const float alpha = exp2_poly(m[r] - m_new);  // m = -inf -> 0
-        const float rowsum = Ops::exp2_row_sum(srow, w, m_new);
-        l[r] = l[r] * alpha + rowsum;
-        m[r] = m_new;
-        if (alpha != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha);
         if (dropout) Ops::dropout_row(p, uint64_t(bh), i, j0, w, srow, srow);
       }
       if (!any_row) continue;  // the whole tile is masked: skip P V
@@ -157,13 +149,8 @@ struct FlashForward {
                                 ct.limit_k());
     }
 
-    for (int r = 0; r < nq; ++r) {
-      const int64_t i = i0 + r;
-      const bool empty = l[r] == 0.0f;  // fully masked row (or Lk == 0)
-      *lse_ptr(p, b, h, i) = empty ? 0.0f : (m[r] + __builtin_log2f(l[r])) * kLn2;
-      Ops::store_row(acc + int64_t(r) * L.ldacc, Dv, empty ? 0.0f : 1.0f / l[r],
-                     o_row<T>(p, b, h, i));
-    }
+    for (int r = 0; r < nq; ++r)
+      finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
   }
 };
 

@@ -13,6 +13,7 @@
 //   exp2_row_sum         p = exp2(s - m), returns sum(p)
 //   dropout_row          out = x * keep / (1 - p), keep bits from Philox (scalar.h)
 //   ds_row               dS = P * (dP - delta)
+//   decode_qk, decode_pv short-query kernels on unpacked K / V rows (flash_decode.h)
 //   scale_row, store_row, dot_row
 #pragma once
 #include "../params.h"
@@ -235,6 +236,41 @@ struct GenericOps {
       sum += s[j];
     }
     return sum;
+  }
+
+  // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
+  // s[r*lds + j] = sum_d q[r*ldq + d] * k[j*ldk + d] for r < M, j < nk.
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    for (int j = 0; j < nk; ++j) {
+      const T* kj = k + j * ldk;
+      for (int r = 0; r < M; ++r) {
+        const float* qr = q + int64_t(r) * ldq;
+        vf4 acc = vsplat(0.0f);
+        int d = 0;
+        for (; d + 4 <= D; d += 4)
+          acc += vload(qr + d) * vf4{to_f32(kj[d]), to_f32(kj[d + 1]), to_f32(kj[d + 2]),
+                                      to_f32(kj[d + 3])};
+        float sum = hsum(acc);
+        for (; d < D; ++d) sum += qr[d] * to_f32(kj[d]);
+        s[int64_t(r) * lds + j] = sum;
+      }
+    }
+  }
+
+  // acc[r*ldacc + d] += sum_j p[r*ldp + j] * v[j*ldv + d] for r < M, d < Dv.
+  template <class T>
+  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    for (int j = 0; j < nk; ++j) {
+      const T* vj = v + j * ldv;
+      for (int r = 0; r < M; ++r) {
+        const float pj = p[int64_t(r) * ldp + j];
+        float* ar = acc + int64_t(r) * ldacc;
+        for (int d = 0; d < Dv; ++d) ar[d] += pj * to_f32(vj[d]);
+      }
+    }
   }
 
   // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p) for c < n (x and out may alias).

@@ -3,6 +3,7 @@
 //   FLASHSDPA_DEFINE_TIER(<getter>, <Ops>, "<name>")
 #pragma once
 #include "flash_bwd.h"
+#include "flash_decode.h"
 #include "flash_fwd.h"
 
 namespace flashsdpa {
@@ -41,6 +42,15 @@ struct TierImpl {
         pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
         pl.shared_bytes = 4 * FlashBackward<Ops, T>::dq_acc_floats(p, bl);
         break;
+      case Phase::DecodeSplit:
+        pl.n_items = FlashDecode<Ops, T>::split_items(p);
+        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::layout(p).total;
+        pl.shared_bytes = 4 * FlashDecode<Ops, T>::part_floats(p);
+        break;
+      case Phase::DecodeMerge:
+        pl.n_items = FlashDecode<Ops, T>::merge_items(p);
+        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::layout(p).total;
+        break;
     }
     return pl;
   }
@@ -58,6 +68,8 @@ struct TierImpl {
         case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
         case Phase::BwdDq: FlashBackward<Ops, T>::run_dq(p, bl, item, scratch); break;
         case Phase::BwdFused: FlashBackward<Ops, T>::run_fused(p, bl, item, scratch); break;
+        case Phase::DecodeSplit: FlashDecode<Ops, T>::run_split(p, item, scratch); break;
+        case Phase::DecodeMerge: FlashDecode<Ops, T>::run_merge(p, item, scratch); break;
       }
     }
   }

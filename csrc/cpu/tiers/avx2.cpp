@@ -309,6 +309,99 @@ struct Avx2Ops : GenericOps {
     return hsum8(sum);
   }
 
+  // ---- short-query (decode) kernels ---------------------------------------------------------
+  // s[r][j] = q_r . k_j. Four keys x two query rows per pass: 8 accumulators, each key chunk
+  // widened once per row pair; a hadd tree turns 4 accumulators into 4 dot products.
+  template <class T, bool kTwo>
+  static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q0, const float* q1,
+                              float* s0, float* s1) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    const T* k1 = k0 + ldk;
+    const T* k2 = k1 + ldk;
+    const T* k3 = k2 + ldk;
+    const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 qa, __m256 qb) {
+      a00 = _mm256_fmadd_ps(qa, v0, a00), a01 = _mm256_fmadd_ps(qa, v1, a01);
+      a02 = _mm256_fmadd_ps(qa, v2, a02), a03 = _mm256_fmadd_ps(qa, v3, a03);
+      if (kTwo) {
+        a10 = _mm256_fmadd_ps(qb, v0, a10), a11 = _mm256_fmadd_ps(qb, v1, a11);
+        a12 = _mm256_fmadd_ps(qb, v2, a12), a13 = _mm256_fmadd_ps(qb, v3, a13);
+      }
+    };
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+      step(load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d), _mm256_loadu_ps(q0 + d),
+           kTwo ? _mm256_loadu_ps(q1 + d) : _mm256_setzero_ps());
+    if (d < D) {
+      const int t = D - d;
+      step(load8_partial(k0 + d, t), load8_partial(k1 + d, t), load8_partial(k2 + d, t),
+           load8_partial(k3 + d, t), load8_partial(q0 + d, t),
+           kTwo ? load8_partial(q1 + d, t) : _mm256_setzero_ps());
+    }
+    const auto reduce4 = [](__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
+      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    };
+    _mm_storeu_ps(s0, reduce4(a00, a01, a02, a03));
+    if (kTwo) _mm_storeu_ps(s1, reduce4(a10, a11, a12, a13));
+  }
+
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) {
+      const T* k0 = k + j * ldk;
+      int r = 0;
+      for (; r + 2 <= M; r += 2)
+        qk_4keys<T, true>(k0, ldk, D, q + int64_t(r) * ldq, q + int64_t(r + 1) * ldq,
+                          s + int64_t(r) * lds + j, s + int64_t(r + 1) * lds + j);
+      if (r < M)
+        qk_4keys<T, false>(k0, ldk, D, q + int64_t(r) * ldq, nullptr, s + int64_t(r) * lds + j,
+                           nullptr);
+    }
+    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+  }
+
+  // acc[r] += sum_j p[r][j] v_j: per row, 64 output dims live in 8 registers while the keys
+  // stream past; V is widened in registers (bf16 / fp16 never take a slow GEMM).
+  template <class T>
+  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    const int d64 = Dv & ~63;
+    for (int r = 0; r < M; ++r) {
+      const float* pr = p + int64_t(r) * ldp;
+      float* ar = acc + int64_t(r) * ldacc;
+      for (int d0 = 0; d0 < d64; d0 += 64) {
+        __m256 c0 = _mm256_loadu_ps(ar + d0), c1 = _mm256_loadu_ps(ar + d0 + 8);
+        __m256 c2 = _mm256_loadu_ps(ar + d0 + 16), c3 = _mm256_loadu_ps(ar + d0 + 24);
+        __m256 c4 = _mm256_loadu_ps(ar + d0 + 32), c5 = _mm256_loadu_ps(ar + d0 + 40);
+        __m256 c6 = _mm256_loadu_ps(ar + d0 + 48), c7 = _mm256_loadu_ps(ar + d0 + 56);
+        for (int j = 0; j < nk; ++j) {
+          const __m256 pj = _mm256_broadcast_ss(pr + j);
+          const T* vj = v + j * ldv + d0;
+          c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
+          c2 = _mm256_fmadd_ps(pj, load8(vj + 16), c2), c3 = _mm256_fmadd_ps(pj, load8(vj + 24), c3);
+          c4 = _mm256_fmadd_ps(pj, load8(vj + 32), c4), c5 = _mm256_fmadd_ps(pj, load8(vj + 40), c5);
+          c6 = _mm256_fmadd_ps(pj, load8(vj + 48), c6), c7 = _mm256_fmadd_ps(pj, load8(vj + 56), c7);
+        }
+        _mm256_storeu_ps(ar + d0, c0), _mm256_storeu_ps(ar + d0 + 8, c1);
+        _mm256_storeu_ps(ar + d0 + 16, c2), _mm256_storeu_ps(ar + d0 + 24, c3);
+        _mm256_storeu_ps(ar + d0 + 32, c4), _mm256_storeu_ps(ar + d0 + 40, c5);
+        _mm256_storeu_ps(ar + d0 + 48, c6), _mm256_storeu_ps(ar + d0 + 56, c7);
+      }
+      for (int d0 = d64; d0 < Dv; d0 += 8) {  // the last dims, 8 at a time
+        const int t = Dv - d0 < 8 ? Dv - d0 : 8;
+        __m256 c = load8_partial(ar + d0, t);
+        for (int j = 0; j < nk; ++j) {
+          const T* vj = v + j * ldv + d0;
+          c = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), t == 8 ? load8(vj) : load8_partial(vj, t), c);
+        }
+        store8_partial(ar + d0, c, t);
+      }
+    }
+  }
+
   // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p): 32 columns per Philox call on 8 counters.
   // Word k of counter g covers column 4g + k, so a 4 x 8 transpose puts the words in column order.
   static void dropout_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,

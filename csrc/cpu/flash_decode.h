@@ -1,0 +1,151 @@
+// Short-query forward (decode): split-KV flash-decoding, written once for every tier.
+//
+// For q_len up to a few rows, the prefill blocking leaves most of a micro-tile empty and
+// parallelises over (batch, heads) only. Here:
+//   * the query rows of every head sharing a kv head are folded into one block of
+//     M = (Hq / Hkv) * Lq rows, so each K / V row is read once per kv head (GQA);
+//   * the kv sequence is cut into splits, one work item per (b, hkv, split):
+//       DecodeSplit: online softmax over the split's keys -> partial (acc, m, l) per row
+//       DecodeMerge: per (b, hkv), rows merged over the splits in order:
+//         m* = max_s m_s;  l = sum_s 2^(m_s - m*) l_s;  out = sum_s 2^(m_s - m*) acc_s / l
+//   * K and V rows are read in place (any row stride: a padded cache view is never copied),
+//     bf16 / fp16 widened in registers by the trait's decode_qk / decode_pv.
+// Splits depend on the shape only, so results do not depend on the thread count.
+#pragma once
+#include "flash_common.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+template <class Ops, class T>
+struct FlashDecode {
+  static constexpr int kBlock = 64;         // keys per block: a V block stays in L1
+  static constexpr int64_t kMinSplit = 256;  // keys per split, at least
+  static constexpr int64_t kMaxSplits = 32;
+
+  static int64_t rows(const AttnParams& p) { return (p.Hq / p.Hkv) * p.Lq; }
+  static int64_t split_len(const AttnParams& p) {
+    const int64_t n = min64(kMaxSplits, max64(1, ceil_div(p.Lk, kMinSplit)));
+    return round_up(max64(1, ceil_div(p.Lk, n)), kBlock);
+  }
+  static int64_t n_splits(const AttnParams& p) { return max64(1, ceil_div(p.Lk, split_len(p))); }
+
+  struct Layout {
+    int ldq, lds, ldacc;
+    int64_t q, s, acc, m, l, mask, total;
+  };
+  static Layout layout(const AttnParams& p) {
+    Layout L;
+    const int64_t M = rows(p);
+    L.ldq = int(p.D);
+    L.lds = int(round_up(kBlock, 16));
+    L.ldacc = int(round_up(p.Dv, 16));
+    int64_t off = 0;
+    auto take = [&](int64_t n) {
+      const int64_t at = off;
+      off += round_up(n, 16);
+      return at;
+    };
+    L.q = take(M * p.D);
+    L.s = take(M * L.lds);
+    L.acc = take(M * L.ldacc);
+    L.m = take(M);
+    L.l = take(M);
+    L.mask = take(M * L.lds);
+    L.total = off;
+    return L;
+  }
+
+  // Partial results, [B * Hkv * n_splits][M][ldacc + 2]: acc, then m and l.
+  static int64_t part_floats(const AttnParams& p) {
+    return p.B * p.Hkv * n_splits(p) * rows(p) * (layout(p).ldacc + 2);
+  }
+  static int64_t split_items(const AttnParams& p) { return p.B * p.Hkv * n_splits(p); }
+  static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
+
+  // Row r of the folded block: query head h = hk * group + r / Lq, query row i = r % Lq.
+  static void run_split(const AttnParams& p, int64_t item, float* scratch) {
+    const Layout L = layout(p);
+    const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
+    const int64_t bhk = item / ns, sp = item % ns;
+    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t j_begin = sp * split_len(p), j_end = min64(p.Lk, j_begin + split_len(p));
+    float* q = scratch + L.q;
+    float* s = scratch + L.s;
+    float* acc = scratch + L.acc;
+    float* m = scratch + L.m;
+    float* l = scratch + L.l;
+    float* mbuf = scratch + L.mask;
+    const float scale_log2 = p.scale * kLog2e;
+
+    for (int64_t r = 0; r < M; ++r) {
+      const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
+      Ops::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, scale_log2);
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
+    }
+    // causal (top-left): no row sees past key Lq - 1
+    const int64_t kv_end = p.causal ? min64(j_end, p.Lq) : j_end;
+    for (int64_t j0 = j_begin; j0 < kv_end; j0 += kBlock) {
+      const int nk = int(min64(kBlock, kv_end - j0));
+      Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+      bool any = false;
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
+        float* madd = nullptr;
+        if (p.mask_type != MaskType::None) {
+          madd = mbuf + r * L.lds;
+          mask_row_log2(p, b, h, i, j0, nk, madd);
+        }
+        any |= online_softmax_row<Ops>(s + r * L.lds, nk, madd, causal_valid(p, i, j0, nk),
+                                       &m[r], &l[r], acc + r * L.ldacc, int(p.Dv));
+      }
+      if (any)
+        Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,
+                       L.ldacc);
+    }
+    const int64_t ld_part = L.ldacc + 2;
+    float* part = p.dec_part + item * M * ld_part;
+    for (int64_t r = 0; r < M; ++r) {
+      float* pr = part + r * ld_part;
+      for (int d = 0; d < int(p.Dv); ++d) pr[d] = acc[r * L.ldacc + d];
+      pr[L.ldacc] = m[r];
+      pr[L.ldacc + 1] = l[r];
+    }
+  }
+
+  static void run_merge(const AttnParams& p, int64_t item, float* scratch) {
+    const Layout L = layout(p);
+    const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
+    const int64_t b = item / p.Hkv, hk = item % p.Hkv;
+    const int64_t ld_part = L.ldacc + 2;
+    const float* parts = p.dec_part + item * ns * M * ld_part;
+    float* acc = scratch + L.acc;
+    for (int64_t r = 0; r < M; ++r) {
+      float m_all = kNegInf;
+      for (int64_t sp = 0; sp < ns; ++sp) {
+        const float ms = parts[(sp * M + r) * ld_part + L.ldacc];
+        m_all = ms > m_all ? ms : m_all;
+      }
+      float l_all = 0.0f;
+      float* ar = acc + r * L.ldacc;
+      for (int d = 0; d < int(p.Dv); ++d) ar[d] = 0.0f;
+      if (m_all != kNegInf) {
+        for (int64_t sp = 0; sp < ns; ++sp) {
+          const float* pr = parts + (sp * M + r) * ld_part;
+          if (pr[L.ldacc + 1] == 0.0f) continue;  // nothing visible in this split
+          const float w = exp2_poly(pr[L.ldacc] - m_all);
+          l_all += w * pr[L.ldacc + 1];
+          for (int d = 0; d < int(p.Dv); ++d) ar[d] += w * pr[d];
+        }
+      }
+      finish_row<Ops, T>(p, b, hk * group + r / p.Lq, r % p.Lq, m_all, l_all, ar);
+    }
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,95 @@
+"""The split-KV short-query (decode) path: q_len 1..16 against long KV caches, GQA folded into
+the rows, padded cache views read in place, LSE right for the backward, splits merged by LSE."""
+import pytest
+import torch
+
+import flashsdpa
+from flashsdpa import _C
+from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
+                      num_threads, reference_sdpa)
+
+
+@pytest.fixture
+def decode_path():
+    _C.set_decode_policy("always")
+    yield
+    _C.set_decode_policy("auto")
+
+
+def decode_ran(fn):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.name.startswith("flashsdpa::cpu_decode_split") for e in prof.events())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [1, 2, 4, 8, 16])
+def test_decode_q_lens(tier, lq, dtype):
+    q, k, v = make_qkv(2, 8, 2, lq, 1000, 64, dtype=dtype)
+    g = torch.Generator().manual_seed(lq)
+    pad = torch.rand(2, 1, 1, 1000, generator=g) < 0.9
+    pad[..., 0] = True
+    assert decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    check_forward_backward(q, k, v, dtype, f"{tier} decode lq={lq}", attn_mask=pad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
+def test_padded_cache_views(tier, decode_path, layout, dtype):
+    """A KV cache allocated for S_max positions, used up to `used`: read through its strides."""
+    B, H, Hkv, D, S_max, used = 2, 8, 4, 48, 1500, 777
+    g = torch.Generator().manual_seed(0)
+    if layout == "BSHD":
+        kc = torch.full((B, S_max, Hkv, D), float("nan")).to(dtype)
+        vc = torch.full((B, S_max, Hkv, D), float("nan")).to(dtype)
+        kc[:, :used] = torch.randn(B, used, Hkv, D, generator=g).to(dtype)
+        vc[:, :used] = torch.randn(B, used, Hkv, D, generator=g).to(dtype)
+        k, v = kc[:, :used].transpose(1, 2), vc[:, :used].transpose(1, 2)
+    else:
+        kc = torch.full((B, Hkv, S_max, D), float("nan")).to(dtype)
+        vc = torch.full((B, Hkv, S_max, D), float("nan")).to(dtype)
+        kc[:, :, :used] = torch.randn(B, Hkv, used, D, generator=g).to(dtype)
+        vc[:, :, :used] = torch.randn(B, Hkv, used, D, generator=g).to(dtype)
+        k, v = kc[:, :, :used], vc[:, :, :used]
+    q = torch.randn(B, H, 1, D, generator=g).to(dtype)
+    check_forward_backward(q, k, v, dtype, f"{tier} cache {layout}", enable_gqa=True,
+                           backward=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_decode_matches_prefill_path_and_lse(tier, causal):
+    q, k, v = make_qkv(1, 4, 4, 5, 2000, 32)
+    mask = torch.randn(5, 2000)
+    outs = {}
+    for mode in ("always", "never"):
+        _C.set_decode_policy(mode)
+        outs[mode] = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, 0.0, causal)
+    _C.set_decode_policy("auto")
+    torch.testing.assert_close(outs["always"][0], outs["never"][0], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(outs["always"][1], outs["never"][1], atol=2e-6, rtol=1e-5)
+
+
+def test_masked_splits_and_rows(tier, decode_path):
+    """Whole splits masked out, and a row with nothing visible at all (out 0, no NaN)."""
+    q, k, v = make_qkv(1, 2, 2, 3, 3000, 16)
+    mask = torch.zeros(3, 3000, dtype=torch.bool)
+    mask[0, 2900:] = True       # only the last split is visible to row 0
+    mask[1, :10] = True         # only the first
+    out = flashsdpa.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # row 2: nothing
+    ref = reference_sdpa(q, k, v, attn_mask=mask)
+    assert torch.equal(out[:, :, 2], torch.zeros_like(out[:, :, 2]))
+    assert_within_rule(out, torch.nan_to_num(ref.float()), ref, torch.float32, "masked splits")
+
+
+def test_decode_deterministic_across_threads(tier, decode_path):
+    q, k, v = make_qkv(2, 8, 2, 1, 5000, 64, dtype=torch.bfloat16)
+    with num_threads(1):
+        a = flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    with num_threads(2):
+        b = flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert torch.equal(a, b)
+
+
+def test_dropout_takes_prefill_path(tier):
+    q, k, v = make_qkv(1, 2, 2, 1, 300, 16)
+    assert not decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, dropout_p=0.2))

@@ -20,7 +20,7 @@ namespace FLASHSDPA_TIER_NS {
 
 template <class Ops, class T>
 struct FlashDecode {
-  static constexpr int kBlock = 64;         // keys per block: a V block stays in L1
+  static constexpr int kBlock = 256;         // keys per block: a V block stays in L1
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
 

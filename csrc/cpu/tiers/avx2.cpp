@@ -346,12 +346,24 @@ struct Avx2Ops : GenericOps {
     if (kTwo) _mm_storeu_ps(s1, reduce4(a10, a11, a12, a13));
   }
 
+  // Decode streams K and V from memory once: rows kPrefetchRows ahead are prefetched (also
+  // past the block's end, which is where the next block starts), so the loads find them cached.
+  static constexpr int kPrefetchRows = 64;
+  template <class T>
+  static inline void prefetch_rows(const T* row, int64_t ld, int n, int D) {
+    const int bytes = D * int(sizeof(T));
+    for (int r = 0; r < n; ++r)
+      for (int off = 0; off < bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + r * ld) + off, _MM_HINT_T1);
+  }
+
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
     int j = 0;
     for (; j + 4 <= nk; j += 4) {
       const T* k0 = k + j * ldk;
+      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
       int r = 0;
       for (; r + 2 <= M; r += 2)
         qk_4keys<T, true>(k0, ldk, D, q + int64_t(r) * ldq, q + int64_t(r + 1) * ldq,
@@ -363,42 +375,88 @@ struct Avx2Ops : GenericOps {
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
 
-  // acc[r] += sum_j p[r][j] v_j: per row, 64 output dims live in 8 registers while the keys
-  // stream past; V is widened in registers (bf16 / fp16 never take a slow GEMM).
+  // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).
+  // One row: 64 output dims in 8 registers while the keys stream past. Several rows (GQA folded
+  // into rows, or q_len > 1): up to 6 rows x 16 dims in 12 registers, so each V chunk is
+  // loaded and widened once for all of them.
+  template <class T, int R>
+  static inline void pv_rows16(const T* v, int64_t ldv, int nk, const float* p, int ldp,
+                               float* acc, int ldacc, int d0) {
+    __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
+    __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
+           c41 = c01, c50 = c00, c51 = c01;
+#define FLASHSDPA_LD(i)                                                           \
+  if (R > i) {                                                                   \
+    c##i##0 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0);                    \
+    c##i##1 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0 + 8);                \
+  }
+    FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
+#undef FLASHSDPA_LD
+    for (int j = 0; j < nk; ++j) {
+      const T* vj = v + j * ldv + d0;
+      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+#define FLASHSDPA_ROW(i)                                                          \
+  if (R > i) {                                                                   \
+    const __m256 pj = _mm256_broadcast_ss(p + int64_t(i) * ldp + j);            \
+    c##i##0 = _mm256_fmadd_ps(pj, v0, c##i##0);                                  \
+    c##i##1 = _mm256_fmadd_ps(pj, v1, c##i##1);                                  \
+  }
+      FLASHSDPA_ROW(0) FLASHSDPA_ROW(1) FLASHSDPA_ROW(2)
+      FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
+#undef FLASHSDPA_ROW
+    }
+#define FLASHSDPA_ST(i)                                                           \
+  if (R > i) {                                                                   \
+    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0, c##i##0);                    \
+    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0 + 8, c##i##1);                \
+  }
+    FLASHSDPA_ST(0) FLASHSDPA_ST(1) FLASHSDPA_ST(2) FLASHSDPA_ST(3) FLASHSDPA_ST(4) FLASHSDPA_ST(5)
+#undef FLASHSDPA_ST
+  }
+
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
                         float* acc, int ldacc) {
-    const int d64 = Dv & ~63;
-    for (int r = 0; r < M; ++r) {
+    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+    const int d64 = M == 1 ? Dv & ~63 : 0;
+    for (int d0 = 0; d0 < d64; d0 += 64) {  // one row
+      __m256 c0 = _mm256_loadu_ps(acc + d0), c1 = _mm256_loadu_ps(acc + d0 + 8);
+      __m256 c2 = _mm256_loadu_ps(acc + d0 + 16), c3 = _mm256_loadu_ps(acc + d0 + 24);
+      __m256 c4 = _mm256_loadu_ps(acc + d0 + 32), c5 = _mm256_loadu_ps(acc + d0 + 40);
+      __m256 c6 = _mm256_loadu_ps(acc + d0 + 48), c7 = _mm256_loadu_ps(acc + d0 + 56);
+      for (int j = 0; j < nk; ++j) {
+        if (d0 == 0) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
+        const __m256 pj = _mm256_broadcast_ss(p + j);
+        const T* vj = v + j * ldv + d0;
+        c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
+        c2 = _mm256_fmadd_ps(pj, load8(vj + 16), c2), c3 = _mm256_fmadd_ps(pj, load8(vj + 24), c3);
+        c4 = _mm256_fmadd_ps(pj, load8(vj + 32), c4), c5 = _mm256_fmadd_ps(pj, load8(vj + 40), c5);
+        c6 = _mm256_fmadd_ps(pj, load8(vj + 48), c6), c7 = _mm256_fmadd_ps(pj, load8(vj + 56), c7);
+      }
+      _mm256_storeu_ps(acc + d0, c0), _mm256_storeu_ps(acc + d0 + 8, c1);
+      _mm256_storeu_ps(acc + d0 + 16, c2), _mm256_storeu_ps(acc + d0 + 24, c3);
+      _mm256_storeu_ps(acc + d0 + 32, c4), _mm256_storeu_ps(acc + d0 + 40, c5);
+      _mm256_storeu_ps(acc + d0 + 48, c6), _mm256_storeu_ps(acc + d0 + 56, c7);
+    }
+    const int d16 = Dv & ~15;
+    for (int r = 0; r < M; r += 6) {  // rows in groups of 6, 16 dims at a time
+      const int R = M - r < 6 ? M - r : 6;
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
-      for (int d0 = 0; d0 < d64; d0 += 64) {
-        __m256 c0 = _mm256_loadu_ps(ar + d0), c1 = _mm256_loadu_ps(ar + d0 + 8);
-        __m256 c2 = _mm256_loadu_ps(ar + d0 + 16), c3 = _mm256_loadu_ps(ar + d0 + 24);
-        __m256 c4 = _mm256_loadu_ps(ar + d0 + 32), c5 = _mm256_loadu_ps(ar + d0 + 40);
-        __m256 c6 = _mm256_loadu_ps(ar + d0 + 48), c7 = _mm256_loadu_ps(ar + d0 + 56);
-        for (int j = 0; j < nk; ++j) {
-          const __m256 pj = _mm256_broadcast_ss(pr + j);
-          const T* vj = v + j * ldv + d0;
-          c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
-          c2 = _mm256_fmadd_ps(pj, load8(vj + 16), c2), c3 = _mm256_fmadd_ps(pj, load8(vj + 24), c3);
-          c4 = _mm256_fmadd_ps(pj, load8(vj + 32), c4), c5 = _mm256_fmadd_ps(pj, load8(vj + 40), c5);
-          c6 = _mm256_fmadd_ps(pj, load8(vj + 48), c6), c7 = _mm256_fmadd_ps(pj, load8(vj + 56), c7);
+      for (int d0 = d64; d0 < d16; d0 += 16) {
+        if (r == 0 && d0 == d64)
+          for (int j = 0; j < nk; ++j) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
+        switch (R) {
+          case 6: pv_rows16<T, 6>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 5: pv_rows16<T, 5>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 4: pv_rows16<T, 4>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 3: pv_rows16<T, 3>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 2: pv_rows16<T, 2>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          default: pv_rows16<T, 1>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
         }
-        _mm256_storeu_ps(ar + d0, c0), _mm256_storeu_ps(ar + d0 + 8, c1);
-        _mm256_storeu_ps(ar + d0 + 16, c2), _mm256_storeu_ps(ar + d0 + 24, c3);
-        _mm256_storeu_ps(ar + d0 + 32, c4), _mm256_storeu_ps(ar + d0 + 40, c5);
-        _mm256_storeu_ps(ar + d0 + 48, c6), _mm256_storeu_ps(ar + d0 + 56, c7);
       }
-      for (int d0 = d64; d0 < Dv; d0 += 8) {  // the last dims, 8 at a time
-        const int t = Dv - d0 < 8 ? Dv - d0 : 8;
-        __m256 c = load8_partial(ar + d0, t);
-        for (int j = 0; j < nk; ++j) {
-          const T* vj = v + j * ldv + d0;
-          c = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), t == 8 ? load8(vj) : load8_partial(vj, t), c);
-        }
-        store8_partial(ar + d0, c, t);
-      }
+      if (d16 < Dv)  // the last dims, fewer than 16
+        GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);
     }
   }
 

@@ -35,7 +35,7 @@ peak: build
 # Every mode, then the README performance table regenerated from those results.
 bench-all: build
 	$(PY) bench/bench_sdpa.py --mode fwd
-	$(PY) bench/bench_sdpa.py --mode train --repeats 3
+	$(PY) bench/bench_sdpa.py --mode train --repeats 3 --shapes 1x16x1024x64,1x8x2048x128,4x16x512x64,1x16/4x1024x128
 	$(PY) bench/bench_sdpa.py --mode decode
 	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json
 

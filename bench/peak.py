@@ -49,6 +49,11 @@ def _run(exe, *args):
     return float(out[2])
 
 
+def measure_read(threads, read_mib=1024):
+    """Read bandwidth (GB/s) with the widest variant the CPU runs."""
+    return _run(_binary(runnable_variants()[-1]), "read", threads, read_mib)
+
+
 def runnable_variants():
     try:
         from flashsdpa import _C

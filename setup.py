@@ -25,6 +25,9 @@ GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/autograd.cpp", "csr
 TIERS = {
     "portable": ("csrc/cpu/tiers/portable.cpp", [], True),
     "avx2": ("csrc/cpu/tiers/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], IS_X86),
+    "avx512": ("csrc/cpu/tiers/avx512.cpp",
+               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+               IS_X86),
 }
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]

@@ -117,6 +117,7 @@ namespace cpu {
 // One getter per tier source file (csrc/cpu/tiers/<tier>.cpp); null where the tier is not built.
 const CpuTier* portable_tier();
 const CpuTier* avx2_tier();
+const CpuTier* avx512_tier();
 }  // namespace cpu
 
 }  // namespace flashsdpa

@@ -74,6 +74,21 @@ struct RowLimit {
   bool on_n;
 };
 
+// Calls Ops::micro_tile<TransA, r> for a run-time row count r in [1, R].
+template <class Ops, bool TransA, int R>
+inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
+                            int ldc, bool accumulate) {
+  if constexpr (R == 1) {
+    Ops::template micro_tile<TransA, 1>(K, a, lda, panel, c, ldc, accumulate);
+  } else {
+    if (r == R) {
+      Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
+    } else {
+      micro_tile_rows<Ops, TransA, R - 1>(r, K, a, lda, panel, c, ldc, accumulate);
+    }
+  }
+}
+
 // The panel / row-group loops around a trait's micro-tile, shared by every tier:
 // C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
 // B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart.
@@ -82,7 +97,6 @@ template <class Ops, bool TransA>
 inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                       int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  static_assert(MR == 6, "the remainder switch below covers MR = 6");
   const int np = int(ceil_div(N, NR));
   for (int p = 0; p < np; ++p) {
     const float* panel = bp + p * bstride;
@@ -100,15 +114,8 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
         }
       }
       const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-      float* ci = cp + int64_t(i) * ldc;
-      switch (R) {
-        case 6: Ops::template micro_tile<TransA, 6>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-        case 5: Ops::template micro_tile<TransA, 5>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-        case 4: Ops::template micro_tile<TransA, 4>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-        case 3: Ops::template micro_tile<TransA, 3>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-        case 2: Ops::template micro_tile<TransA, 2>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-        default: Ops::template micro_tile<TransA, 1>(kk, ai, lda, panel, ci, ldc, accumulate); break;
-      }
+      micro_tile_rows<Ops, TransA, MR>(R, kk, ai, lda, panel, cp + int64_t(i) * ldc, ldc,
+                                       accumulate);
     }
   }
 }

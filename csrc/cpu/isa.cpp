@@ -146,6 +146,9 @@ const CpuTier* built_tier(Isa isa) {
 #if defined(FLASHSDPA_BUILD_AVX2)
     case Isa::Avx2: return avx2_tier();
 #endif
+#if defined(FLASHSDPA_BUILD_AVX512)
+    case Isa::Avx512: return avx512_tier();
+#endif
     default: return nullptr;
   }
 }

@@ -1,0 +1,542 @@
+// The AVX2 / FMA / F16C trait: the 6x16 micro-kernel, vector exp2, bf16 / fp16 widening, Philox
+// on 8 lanes, the decode kernels. Included by csrc/cpu/tiers/avx2.cpp, and by the AVX-512 tiers,
+// which derive from it and reuse what they do not replace (each copy compiled inside its own
+// tier namespace with its own flags).
+//
+// Register blocking (the 6x16 BLIS/Haswell shape): a 6-row x 16-column fp32 tile of C lives in
+// 12 ymm accumulators; per step of the inner dimension one 16-wide row of the packed B panel is
+// loaded (2 ymm) and each of the 6 A values is broadcast (1 ymm) into 2 FMAs: 12 FMAs per
+// 2 loads + 6 broadcasts, enough independent chains to cover FMA latency x 2 pipes.
+#pragma once
+#include <immintrin.h>
+
+#include "generic_ops.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+// ---- loads / stores with widening and rounding ---------------------------------------------------
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_t* p) {  // bf16 -> fp32: the 16 bits become the high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const f16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// n < 8 elements, the rest of the vector zero.
+template <class T>
+inline __m256 load8_partial(const T* p, int n) {
+  alignas(32) T tmp[8] = {};
+  for (int i = 0; i < n; ++i) tmp[i] = p[i];
+  return load8(tmp);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(bf16_t* p, __m256 v) {
+  // round to nearest even: u + 0x7FFF + ((u >> 16) & 1), then keep the high half; NaN -> qNaN
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x0040));
+  r = _mm256_blendv_epi8(r, qnan, is_nan);
+  // pack the 8 low halves: packus works per 128-bit lane, so fix the order with a permute
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store8(f16_t* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+template <class T>
+inline void store8_partial(T* p, __m256 v, int n) {
+  alignas(32) T tmp[8];
+  store8(tmp, v);
+  for (int i = 0; i < n; ++i) p[i] = tmp[i];
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes j of [j0, j0 + 8) with j >= limit.
+inline __m256 lanes_at_or_after(int j0, int limit) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(j0), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(idx, _mm256_set1_epi32(limit - 1)));
+}
+
+// exp2 of 8 lanes: exp2_poly (scalar.h) with FMA. Rounding by the magic-number trick: adding
+// 1.5 * 2^23 + 127 leaves n + 127 in the low mantissa bits of t (n + 127 in [0, 254]), so
+// t << 23 is already the bit pattern of 2^n. Operand order keeps NaN flowing through min/max
+// (they return the second operand when one is NaN), so NaN in gives NaN out without a blend.
+inline __m256 exp2_8(__m256 x) {
+  const __m256 magic = _mm256_set1_ps(12582912.0f + 127.0f);
+  __m256 xc = _mm256_min_ps(_mm256_set1_ps(kExp2Max), x);
+  xc = _mm256_max_ps(_mm256_set1_ps(kExp2Min), xc);
+  const __m256 t = _mm256_add_ps(xc, magic);
+  const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));  // f = xc - n
+  __m256 p = _mm256_set1_ps(kExp2C6);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C5));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C4));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C3));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C2));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C1));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C0));
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+}
+
+// 8x8 fp32 transpose of rows r[0..8) in place.
+inline void transpose8(__m256 r[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m256 u[8];
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// ---- Philox4x32-10 on 8 counters at once (the same bits as philox4x32_10 in scalar.h) ----------
+// hi/lo 32-bit halves of a * b for 8 unsigned lanes: _mm256_mul_epu32 multiplies the even lanes,
+// so the odd lanes go through a 32-bit shift.
+inline void mulhilo8(__m256i a, __m256i b, __m256i* hi, __m256i* lo) {
+  const __m256i even = _mm256_mul_epu32(a, b);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), b);
+  *lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  *hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// Philox words for counters (c0 + lane, c1, c2, c3): w[k] holds word k of each lane.
+inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32_t k0_,
+                    uint32_t k1_, __m256i w[4]) {
+  const __m256i m0 = _mm256_set1_epi32(int(0xD2511F53u)), m1 = _mm256_set1_epi32(int(0xCD9E8D57u));
+  __m256i c1 = _mm256_set1_epi32(int(c1_)), c2 = _mm256_set1_epi32(int(c2_));
+  __m256i c3 = _mm256_set1_epi32(int(c3_));
+  uint32_t k0 = k0_, k1 = k1_;
+  for (int round = 0; round < 10; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(c0, m0, &hi0, &lo0);
+    mulhilo8(c2, m1, &hi1, &lo1);
+    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(int(k0)));
+    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(int(k1)));
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
+}
+
+struct Avx2Ops : GenericOps {
+  static constexpr int NR = 16;  // panel width: 2 ymm
+  static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
+  static constexpr int kBlockQ = 192;
+  static constexpr int kBlockQBwd = 96;
+
+  template <class T>
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
+    const __m256 mv = _mm256_set1_ps(mul);
+    for (int i = 0; i < rows; ++i) {
+      const T* s = src + i * ld;
+      float* d = dst + int64_t(i) * ldd;
+      int c = 0;
+      for (; c + 8 <= cols; c += 8) store8(d + c, _mm256_mul_ps(load8(s + c), mv));
+      if (c < cols)
+        store8_partial(d + c, _mm256_mul_ps(load8_partial(s + c, cols - c), mv), cols - c);
+    }
+  }
+
+  // B[kk][n] = src[kk*ld + n]; panels of 16 columns, zero beyond N.
+  template <class T>
+  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      const int n0 = p * NR, w = int(min64(NR, N - n0));
+      float* panel = dst + int64_t(p) * K * NR;
+      const T* s = src + n0;
+      if (w == NR) {
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm256_store_ps(panel + kk * NR, load8(s));
+          _mm256_store_ps(panel + kk * NR + 8, load8(s + 8));
+        }
+      } else {
+        const int w0 = w < 8 ? w : 8, w1 = w - w0;
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm256_store_ps(panel + kk * NR, w0 == 8 ? load8(s) : load8_partial(s, w0));
+          _mm256_store_ps(panel + kk * NR + 8, w1 > 0 ? load8_partial(s + 8, w1) : _mm256_setzero_ps());
+        }
+      }
+    }
+  }
+
+  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): 8 rows x 8 columns at a time through an
+  // in-register transpose.
+  template <class T>
+  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      float* panel = dst + int64_t(p) * K * NR;
+      for (int half = 0; half < 2; ++half) {
+        const int n0 = p * NR + half * 8;
+        const int rows = int(max64(0, min64(8, N - n0)));  // source rows present
+        float* out = panel + half * 8;
+        if (rows == 0) {
+          for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + kk * NR, _mm256_setzero_ps());
+          continue;
+        }
+        int kk = 0;
+        for (; kk + 8 <= K; kk += 8) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i)
+            r[i] = i < rows ? load8(src + (n0 + i) * ld + kk) : _mm256_setzero_ps();
+          transpose8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (kk + i) * NR, r[i]);
+        }
+        for (; kk < K; ++kk) {
+          alignas(32) float col[8];
+          for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[(n0 + i) * ld + kk]) : 0.0f;
+          _mm256_store_ps(out + kk * NR, _mm256_load_ps(col));
+        }
+      }
+    }
+  }
+
+  // C tile of R rows x 16 columns (=|+=) A * panel. The 12 accumulators are named variables:
+  // GCC does not keep an array of __m256 in registers across an unrolled loop (it spills it).
+  template <bool TransA, int R>
+  static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
+                                int ldc, bool accumulate) {
+    static_assert(R >= 1 && R <= 6, "1 to 6 rows");
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    // A[i][kk]: row i of A, or column i when A is stored transposed
+    const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
+    const float* a0 = a;
+#define FLASHSDPA_ROW(i)                                               \
+  if (R > i) {                                                        \
+    const __m256 av = _mm256_broadcast_ss(a0 + (i) * step_i);         \
+    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                       \
+    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                       \
+  }
+#pragma GCC unroll 4
+    for (int kk = 0; kk < K; ++kk, a0 += step_k) {
+      const __m256 b0 = _mm256_load_ps(panel + kk * NR);
+      const __m256 b1 = _mm256_load_ps(panel + kk * NR + 8);
+      FLASHSDPA_ROW(0) FLASHSDPA_ROW(1) FLASHSDPA_ROW(2)
+      FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
+    }
+#undef FLASHSDPA_ROW
+#define FLASHSDPA_STORE(i)                                             \
+  if (R > i) {                                                        \
+    float* cr = c + int64_t(i) * ldc;                                 \
+    if (accumulate) {                                                 \
+      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(cr));          \
+      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(cr + 8));      \
+    }                                                                 \
+    _mm256_storeu_ps(cr, c##i##0);                                    \
+    _mm256_storeu_ps(cr + 8, c##i##1);                                \
+  }
+    FLASHSDPA_STORE(0) FLASHSDPA_STORE(1) FLASHSDPA_STORE(2)
+    FLASHSDPA_STORE(3) FLASHSDPA_STORE(4) FLASHSDPA_STORE(5)
+#undef FLASHSDPA_STORE
+  }
+
+  template <bool TransA>
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
+                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
+    gemm_loop<Avx2Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
+  }
+
+  // s += madd for j < valid, -inf from valid on. Works on whole vectors: the row buffer is
+  // padded to a multiple of NR; lanes at or after `valid` become -inf (whatever madd holds there).
+  // Without a mask and a causal cut it only reads the row.
+  static float score_row(float* s, int n, const float* madd, int valid) {
+    const __m256 ninf = _mm256_set1_ps(kNegInf);
+    __m256 mx = ninf;
+    int j = 0;
+    if (madd) {
+      for (; j + 8 <= valid; j += 8) {
+        const __m256 x = _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(madd + j));
+        _mm256_storeu_ps(s + j, x);
+        mx = _mm256_max_ps(mx, x);
+      }
+    } else {
+      for (; j + 8 <= valid; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+    }
+    if (j < valid) {  // the vector holding column `valid`
+      __m256 x = _mm256_loadu_ps(s + j);
+      if (madd) x = _mm256_add_ps(x, _mm256_loadu_ps(madd + j));
+      x = _mm256_blendv_ps(x, ninf, lanes_at_or_after(j, valid));
+      _mm256_storeu_ps(s + j, x);
+      mx = _mm256_max_ps(mx, x);
+      j += 8;
+    }
+    for (; j < n; j += 8) _mm256_storeu_ps(s + j, ninf);
+    return hmax8(mx);
+  }
+
+  // p = exp2(s - m) over whole vectors covering n columns (padding lanes hold -inf -> 0).
+  static float exp2_row_sum(float* s, int n, float m) {
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+      const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+      _mm256_storeu_ps(s + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    return hsum8(sum);
+  }
+
+  // ---- short-query (decode) kernels ---------------------------------------------------------
+  // s[r][j] = q_r . k_j. Four keys x two query rows per pass: 8 accumulators, each key chunk
+  // widened once per row pair; a hadd tree turns 4 accumulators into 4 dot products.
+  template <class T, bool kTwo>
+  static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q0, const float* q1,
+                              float* s0, float* s1) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    const T* k1 = k0 + ldk;
+    const T* k2 = k1 + ldk;
+    const T* k3 = k2 + ldk;
+    const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 qa, __m256 qb) {
+      a00 = _mm256_fmadd_ps(qa, v0, a00), a01 = _mm256_fmadd_ps(qa, v1, a01);
+      a02 = _mm256_fmadd_ps(qa, v2, a02), a03 = _mm256_fmadd_ps(qa, v3, a03);
+      if (kTwo) {
+        a10 = _mm256_fmadd_ps(qb, v0, a10), a11 = _mm256_fmadd_ps(qb, v1, a11);
+        a12 = _mm256_fmadd_ps(qb, v2, a12), a13 = _mm256_fmadd_ps(qb, v3, a13);
+      }
+    };
+    int d = 0;
+    for (; d + 8 <= D; d += 8)
+      step(load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d), _mm256_loadu_ps(q0 + d),
+           kTwo ? _mm256_loadu_ps(q1 + d) : _mm256_setzero_ps());
+    if (d < D) {
+      const int t = D - d;
+      step(load8_partial(k0 + d, t), load8_partial(k1 + d, t), load8_partial(k2 + d, t),
+           load8_partial(k3 + d, t), load8_partial(q0 + d, t),
+           kTwo ? load8_partial(q1 + d, t) : _mm256_setzero_ps());
+    }
+    const auto reduce4 = [](__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
+      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    };
+    _mm_storeu_ps(s0, reduce4(a00, a01, a02, a03));
+    if (kTwo) _mm_storeu_ps(s1, reduce4(a10, a11, a12, a13));
+  }
+
+  // Decode streams K and V from memory once: rows kPrefetchRows ahead are prefetched (also
+  // past the block's end, which is where the next block starts), so the loads find them cached.
+  static constexpr int kPrefetchRows = 64;
+  template <class T>
+  static inline void prefetch_rows(const T* row, int64_t ld, int n, int D) {
+    const int bytes = D * int(sizeof(T));
+    for (int r = 0; r < n; ++r)
+      for (int off = 0; off < bytes; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + r * ld) + off, _MM_HINT_T1);
+  }
+
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) {
+      const T* k0 = k + j * ldk;
+      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
+      int r = 0;
+      for (; r + 2 <= M; r += 2)
+        qk_4keys<T, true>(k0, ldk, D, q + int64_t(r) * ldq, q + int64_t(r + 1) * ldq,
+                          s + int64_t(r) * lds + j, s + int64_t(r + 1) * lds + j);
+      if (r < M)
+        qk_4keys<T, false>(k0, ldk, D, q + int64_t(r) * ldq, nullptr, s + int64_t(r) * lds + j,
+                           nullptr);
+    }
+    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+  }
+
+  // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).
+  // One row: 64 output dims in 8 registers while the keys stream past. Several rows (GQA folded
+  // into rows, or q_len > 1): up to 6 rows x 16 dims in 12 registers, so each V chunk is
+  // loaded and widened once for all of them.
+  template <class T, int R>
+  static inline void pv_rows16(const T* v, int64_t ldv, int nk, const float* p, int ldp,
+                               float* acc, int ldacc, int d0) {
+    __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
+    __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
+           c41 = c01, c50 = c00, c51 = c01;
+#define FLASHSDPA_LD(i)                                                           \
+  if (R > i) {                                                                   \
+    c##i##0 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0);                    \
+    c##i##1 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0 + 8);                \
+  }
+    FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
+#undef FLASHSDPA_LD
+    for (int j = 0; j < nk; ++j) {
+      const T* vj = v + j * ldv + d0;
+      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+#define FLASHSDPA_ROW(i)                                                          \
+  if (R > i) {                                                                   \
+    const __m256 pj = _mm256_broadcast_ss(p + int64_t(i) * ldp + j);            \
+    c##i##0 = _mm256_fmadd_ps(pj, v0, c##i##0);                                  \
+    c##i##1 = _mm256_fmadd_ps(pj, v1, c##i##1);                                  \
+  }
+      FLASHSDPA_ROW(0) FLASHSDPA_ROW(1) FLASHSDPA_ROW(2)
+      FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
+#undef FLASHSDPA_ROW
+    }
+#define FLASHSDPA_ST(i)                                                           \
+  if (R > i) {                                                                   \
+    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0, c##i##0);                    \
+    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0 + 8, c##i##1);                \
+  }
+    FLASHSDPA_ST(0) FLASHSDPA_ST(1) FLASHSDPA_ST(2) FLASHSDPA_ST(3) FLASHSDPA_ST(4) FLASHSDPA_ST(5)
+#undef FLASHSDPA_ST
+  }
+
+  template <class T>
+  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+    const int d64 = M == 1 ? Dv & ~63 : 0;
+    for (int d0 = 0; d0 < d64; d0 += 64) {  // one row
+      __m256 c0 = _mm256_loadu_ps(acc + d0), c1 = _mm256_loadu_ps(acc + d0 + 8);
+      __m256 c2 = _mm256_loadu_ps(acc + d0 + 16), c3 = _mm256_loadu_ps(acc + d0 + 24);
+      __m256 c4 = _mm256_loadu_ps(acc + d0 + 32), c5 = _mm256_loadu_ps(acc + d0 + 40);
+      __m256 c6 = _mm256_loadu_ps(acc + d0 + 48), c7 = _mm256_loadu_ps(acc + d0 + 56);
+      for (int j = 0; j < nk; ++j) {
+        if (d0 == 0) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
+        const __m256 pj = _mm256_broadcast_ss(p + j);
+        const T* vj = v + j * ldv + d0;
+        c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
+        c2 = _mm256_fmadd_ps(pj, load8(vj + 16), c2), c3 = _mm256_fmadd_ps(pj, load8(vj + 24), c3);
+        c4 = _mm256_fmadd_ps(pj, load8(vj + 32), c4), c5 = _mm256_fmadd_ps(pj, load8(vj + 40), c5);
+        c6 = _mm256_fmadd_ps(pj, load8(vj + 48), c6), c7 = _mm256_fmadd_ps(pj, load8(vj + 56), c7);
+      }
+      _mm256_storeu_ps(acc + d0, c0), _mm256_storeu_ps(acc + d0 + 8, c1);
+      _mm256_storeu_ps(acc + d0 + 16, c2), _mm256_storeu_ps(acc + d0 + 24, c3);
+      _mm256_storeu_ps(acc + d0 + 32, c4), _mm256_storeu_ps(acc + d0 + 40, c5);
+      _mm256_storeu_ps(acc + d0 + 48, c6), _mm256_storeu_ps(acc + d0 + 56, c7);
+    }
+    const int d16 = Dv & ~15;
+    for (int r = 0; r < M; r += 6) {  // rows in groups of 6, 16 dims at a time
+      const int R = M - r < 6 ? M - r : 6;
+      const float* pr = p + int64_t(r) * ldp;
+      float* ar = acc + int64_t(r) * ldacc;
+      for (int d0 = d64; d0 < d16; d0 += 16) {
+        if (r == 0 && d0 == d64)
+          for (int j = 0; j < nk; ++j) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
+        switch (R) {
+          case 6: pv_rows16<T, 6>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 5: pv_rows16<T, 5>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 4: pv_rows16<T, 4>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 3: pv_rows16<T, 3>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 2: pv_rows16<T, 2>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          default: pv_rows16<T, 1>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+        }
+      }
+      if (d16 < Dv)  // the last dims, fewer than 16
+        GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);
+    }
+  }
+
+  // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p): 32 columns per Philox call on 8 counters.
+  // Word k of counter g covers column 4g + k, so a 4 x 8 transpose puts the words in column order.
+  static void dropout_row(const AttnParams& p, uint64_t bh, int64_t i, int64_t j0, int n,
+                          const float* x, float* out) {
+    if ((j0 & 3) != 0) return GenericOps::dropout_row(p, bh, i, j0, n, x, out);
+    const __m256i thr = _mm256_set1_epi32(int(dropout_threshold(p.dropout_p)));
+    const __m256 rscale = _mm256_set1_ps(1.0f / (1.0f - p.dropout_p));
+    const uint32_t k0 = uint32_t(p.seed), k1 = uint32_t(p.seed >> 32);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < n; c += 32) {
+      const __m256i g = _mm256_add_epi32(_mm256_set1_epi32(int((j0 + c) >> 2)), lane);
+      __m256i w[4];
+      philox8(g, uint32_t(i), uint32_t(bh), uint32_t(p.offset), k0, k1, w);
+      // transpose: cols[q] = columns 8q .. 8q+7 of this 32-column chunk
+      const __m256i t0 = _mm256_unpacklo_epi32(w[0], w[1]), t1 = _mm256_unpackhi_epi32(w[0], w[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(w[2], w[3]), t3 = _mm256_unpackhi_epi32(w[2], w[3]);
+      const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+      const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+      __m256i cols[4];
+      cols[0] = _mm256_permute2x128_si256(u0, u1, 0x20);  // groups 0, 1
+      cols[1] = _mm256_permute2x128_si256(u2, u3, 0x20);  // groups 2, 3
+      cols[2] = _mm256_permute2x128_si256(u0, u1, 0x31);  // groups 4, 5
+      cols[3] = _mm256_permute2x128_si256(u2, u3, 0x31);  // groups 6, 7
+      for (int q = 0; q < 4; ++q) {
+        const int c8 = c + 8 * q;
+        if (c8 >= n) break;
+        const __m256 keep = _mm256_castsi256_ps(
+            _mm256_cmpeq_epi32(_mm256_max_epu32(cols[q], thr), cols[q]));  // word >= thr
+        if (c8 + 8 <= n) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + c8), rscale);
+          _mm256_storeu_ps(out + c8, _mm256_and_ps(keep, v));
+        } else {
+          alignas(32) float kf[8];
+          _mm256_store_ps(kf, keep);
+          const float rs = 1.0f / (1.0f - p.dropout_p);
+          for (int e = 0; e < n - c8; ++e)
+            out[c8 + e] = f32_bits(kf[e]) ? x[c8 + e] * rs : 0.0f;
+        }
+      }
+    }
+  }
+
+  static void ds_row(const float* pr, float* ds, int n, float delta) {
+    const __m256 dv = _mm256_set1_ps(delta);
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+      _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j),
+                                             _mm256_sub_ps(_mm256_loadu_ps(ds + j), dv)));
+    for (; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta);
+  }
+
+  static void scale_row(float* x, int n, float a) {
+    const __m256 av = _mm256_set1_ps(a);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), av));
+    for (; j < n; ++j) x[j] *= a;
+  }
+
+  template <class T>
+  static void store_row(const float* src, int n, float mul, T* dst) {
+    const __m256 mv = _mm256_set1_ps(mul);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), mv));
+    if (j < n) store8_partial(dst + j, _mm256_mul_ps(load8_partial(src + j, n - j), mv), n - j);
+  }
+
+  template <class T>
+  static float dot_row(const T* a, const T* b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(load8(a + j), load8(b + j), acc);
+    if (j < n) acc = _mm256_fmadd_ps(load8_partial(a + j, n - j), load8_partial(b + j, n - j), acc);
+    return hsum8(acc);
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,217 @@
+// The AVX-512 (F/BW/VL/DQ) trait: a 12x32 fp32 micro-kernel in zmm registers and 16-wide softmax
+// rows; everything else (widening loads, Philox, decode kernels, ...) comes from the AVX2 trait,
+// compiled here with the AVX-512 flags.
+//
+// Register blocking: a 12-row x 32-column tile of C lives in 24 zmm accumulators; per step of
+// the inner dimension one 32-wide row of the B panel is loaded (2 zmm) and each of the 12 A
+// values is broadcast into 2 FMAs: 24 FMAs per 2 loads + 12 broadcasts, 27 of 32 registers.
+#pragma once
+#include "avx2_ops.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+inline __mmask16 tail_mask16(int n) { return __mmask16((1u << n) - 1u); }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const f16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// n < 16 elements, the rest zero (masked loads: nothing past the end is touched)
+inline __m512 load16_partial(const float* p, int n) {
+  return _mm512_maskz_loadu_ps(tail_mask16(n), p);
+}
+inline __m512 load16_partial(const bf16_t* p, int n) {
+  const __m256i h = _mm256_maskz_loadu_epi16(tail_mask16(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16_partial(const f16_t* p, int n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask16(n), p));
+}
+
+// exp2 of 16 lanes: exp2_poly (scalar.h), the same steps as exp2_8 (avx2_ops.h).
+inline __m512 exp2_16(__m512 x) {
+  const __m512 magic = _mm512_set1_ps(12582912.0f + 127.0f);
+  __m512 xc = _mm512_min_ps(_mm512_set1_ps(kExp2Max), x);
+  xc = _mm512_max_ps(_mm512_set1_ps(kExp2Min), xc);
+  const __m512 t = _mm512_add_ps(xc, magic);
+  const __m512 f = _mm512_sub_ps(xc, _mm512_sub_ps(t, magic));
+  __m512 p = _mm512_set1_ps(kExp2C6);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C5));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C0));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(t), 23)));
+}
+
+struct Avx512Ops : Avx2Ops {
+  static constexpr int NR = 32;  // panel width: 2 zmm
+  static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
+  static constexpr int kBlockQ = 192;
+  static constexpr int kBlockQBwd = 96;
+
+  // B[kk][n] = src[kk*ld + n]; panels of 32 columns, zero beyond N.
+  template <class T>
+  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      const int n0 = p * NR, w = int(min64(NR, N - n0));
+      float* panel = dst + int64_t(p) * K * NR;
+      const T* s = src + n0;
+      if (w == NR) {
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm512_store_ps(panel + kk * NR, load16(s));
+          _mm512_store_ps(panel + kk * NR + 16, load16(s + 16));
+        }
+      } else {
+        const int w0 = w < 16 ? w : 16, w1 = w - w0;
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          _mm512_store_ps(panel + kk * NR, load16_partial(s, w0));
+          _mm512_store_ps(panel + kk * NR + 16,
+                          w1 > 0 ? load16_partial(s + 16, w1) : _mm512_setzero_ps());
+        }
+      }
+    }
+  }
+
+  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): 8 x 8 in-register transposes, four
+  // groups of 8 source rows per 32-wide panel.
+  template <class T>
+  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR));
+    for (int p = 0; p < np; ++p) {
+      float* panel = dst + int64_t(p) * K * NR;
+      for (int g = 0; g < NR / 8; ++g) {
+        const int n0 = p * NR + g * 8;
+        const int rows = int(max64(0, min64(8, N - n0)));
+        float* out = panel + g * 8;
+        if (rows == 0) {
+          for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + kk * NR, _mm256_setzero_ps());
+          continue;
+        }
+        int kk = 0;
+        for (; kk + 8 <= K; kk += 8) {
+          __m256 r[8];
+          for (int i = 0; i < 8; ++i)
+            r[i] = i < rows ? load8(src + (n0 + i) * ld + kk) : _mm256_setzero_ps();
+          transpose8(r);
+          for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (kk + i) * NR, r[i]);
+        }
+        for (; kk < K; ++kk) {
+          alignas(32) float col[8];
+          for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[(n0 + i) * ld + kk]) : 0.0f;
+          _mm256_store_ps(out + kk * NR, _mm256_load_ps(col));
+        }
+      }
+    }
+  }
+
+  // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators.
+  template <bool TransA, int R>
+  static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
+                                int ldc, bool accumulate) {
+    static_assert(R >= 1 && R <= 12, "1 to 12 rows");
+    const __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    __m512 c80 = z, c81 = z, c90 = z, c91 = z, ca0 = z, ca1 = z, cb0 = z, cb1 = z;
+    const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
+    const float* a0 = a;
+#define FLASHSDPA_ROW(i, n)                                            \
+  if (R > n) {                                                        \
+    const __m512 av = _mm512_set1_ps(a0[(n) * step_i]);               \
+    c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                       \
+    c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                       \
+  }
+#pragma GCC unroll 2
+    for (int kk = 0; kk < K; ++kk, a0 += step_k) {
+      const __m512 b0 = _mm512_load_ps(panel + kk * NR);
+      const __m512 b1 = _mm512_load_ps(panel + kk * NR + 16);
+      FLASHSDPA_ROW(0, 0) FLASHSDPA_ROW(1, 1) FLASHSDPA_ROW(2, 2) FLASHSDPA_ROW(3, 3)
+      FLASHSDPA_ROW(4, 4) FLASHSDPA_ROW(5, 5) FLASHSDPA_ROW(6, 6) FLASHSDPA_ROW(7, 7)
+      FLASHSDPA_ROW(8, 8) FLASHSDPA_ROW(9, 9) FLASHSDPA_ROW(a, 10) FLASHSDPA_ROW(b, 11)
+    }
+#undef FLASHSDPA_ROW
+#define FLASHSDPA_STORE(i, n)                                          \
+  if (R > n) {                                                        \
+    float* cr = c + int64_t(n) * ldc;                                 \
+    if (accumulate) {                                                 \
+      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
+      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
+    }                                                                 \
+    _mm512_storeu_ps(cr, c##i##0);                                    \
+    _mm512_storeu_ps(cr + 16, c##i##1);                               \
+  }
+    FLASHSDPA_STORE(0, 0) FLASHSDPA_STORE(1, 1) FLASHSDPA_STORE(2, 2) FLASHSDPA_STORE(3, 3)
+    FLASHSDPA_STORE(4, 4) FLASHSDPA_STORE(5, 5) FLASHSDPA_STORE(6, 6) FLASHSDPA_STORE(7, 7)
+    FLASHSDPA_STORE(8, 8) FLASHSDPA_STORE(9, 9) FLASHSDPA_STORE(a, 10) FLASHSDPA_STORE(b, 11)
+#undef FLASHSDPA_STORE
+  }
+
+  template <bool TransA>
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
+                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
+    gemm_loop<Avx512Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
+  }
+
+  // As Avx2Ops::score_row, 16 lanes at a time; lanes from `valid` on become -inf.
+  static float score_row(float* s, int n, const float* madd, int valid) {
+    const __m512 ninf = _mm512_set1_ps(kNegInf);
+    __m512 mx = ninf;
+    int j = 0;
+    if (madd) {
+      for (; j + 16 <= valid; j += 16) {
+        const __m512 x = _mm512_add_ps(_mm512_loadu_ps(s + j), _mm512_loadu_ps(madd + j));
+        _mm512_storeu_ps(s + j, x);
+        mx = _mm512_max_ps(mx, x);
+      }
+    } else {
+      for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    }
+    if (j < valid) {  // the vector holding column `valid`
+      const __mmask16 keep = tail_mask16(valid - j);
+      __m512 x = _mm512_loadu_ps(s + j);
+      if (madd) x = _mm512_add_ps(x, _mm512_loadu_ps(madd + j));
+      x = _mm512_mask_blend_ps(keep, ninf, x);
+      _mm512_storeu_ps(s + j, x);
+      mx = _mm512_max_ps(mx, x);
+      j += 16;
+    }
+    // -inf up to the next multiple of 8 past n (what exp2_row_sum reads), 8 lanes at a time
+    for (; j < n; j += 8) _mm256_storeu_ps(s + j, _mm512_castps512_ps256(ninf));
+    return _mm512_reduce_max_ps(mx);
+  }
+
+  // p = exp2(s - m) over vectors covering n columns (lanes past n hold -inf -> 0).
+  static float exp2_row_sum(float* s, int n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 sum = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+      _mm512_storeu_ps(s + j, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    float total = _mm512_reduce_add_ps(sum);
+    if (j < n) total += Avx2Ops::exp2_row_sum(s + j, n - j, m);
+    return total;
+  }
+
+  static void scale_row(float* x, int n, float a) {
+    const __m512 av = _mm512_set1_ps(a);
+    int j = 0;
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), av));
+    if (j < n) Avx2Ops::scale_row(x + j, n - j, a);
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

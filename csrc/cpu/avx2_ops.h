@@ -273,7 +273,8 @@ struct Avx2Ops : GenericOps {
   // s += madd for j < valid, -inf from valid on. Works on whole vectors: the row buffer is
   // padded to a multiple of NR; lanes at or after `valid` become -inf (whatever madd holds there).
   // Without a mask and a causal cut it only reads the row.
-  static float score_row(float* s, int n, const float* madd, int valid) {
+  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
+    if (mul != 1.0f) scale_row(s, valid, mul);
     const __m256 ninf = _mm256_set1_ps(kNegInf);
     __m256 mx = ninf;
     int j = 0;

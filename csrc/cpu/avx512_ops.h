@@ -162,7 +162,8 @@ struct Avx512Ops : Avx2Ops {
   }
 
   // As Avx2Ops::score_row, 16 lanes at a time; lanes from `valid` on become -inf.
-  static float score_row(float* s, int n, const float* madd, int valid) {
+  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
+    if (mul != 1.0f) scale_row(s, valid, mul);
     const __m512 ninf = _mm512_set1_ps(kNegInf);
     __m512 mx = ninf;
     int j = 0;

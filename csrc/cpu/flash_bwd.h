@@ -24,7 +24,7 @@ template <class Ops, class T>
 struct FlashBackward {
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
-    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, total;
+    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, a16, total;
   };
   static Layout layout(const AttnParams& p, const Blocks& bl) {
     Layout L;
@@ -56,6 +56,7 @@ struct FlashBackward {
     L.dv = take(int64_t(bl.bk) * dvp);    // dV accumulator
     L.dq = take(int64_t(bl.bq) * dp_);    // dQ accumulator
     L.mask = take(int64_t(bl.bq) * bkp);
+    L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
     L.total = off;
     return L;
   }
@@ -104,7 +105,8 @@ struct FlashBackward {
       const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
       const int valid = causal_valid(p, i, j0, nk);
-      const float mx = Ops::score_row(srow, w, mt.row(mtile, r), valid);
+      const float mx = Ops::score_row(srow, w, Ops::kScaleInA ? 1.0f : p.scale * kLog2e,
+                                      mt.row(mtile, r), valid);
       if (mx == kNegInf) {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
@@ -138,7 +140,7 @@ struct FlashBackward {
   static void load_q_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
                           int64_t h, int64_t i0, int nq, bool panels) {
     Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq,
-                   p.scale * kLog2e);
+                   Ops::kScaleInA ? p.scale * kLog2e : 1.0f);
     Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo, 1.0f);
     if (panels) {
       Ops::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.qp);
@@ -162,21 +164,26 @@ struct FlashBackward {
   }
 
   // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
-  static void add_dkdv(const AttnParams& p, const Layout& L, const float* scratch, int nq, int nk,
+  static void add_dkdv(const AttnParams& p, const Layout& L, float* scratch, int nq, int nk,
                        const Tile& tile, float* dk, float* dv) {
-    Ops::template gemm<true>(nk, int(p.Dv), nq, tile.pd, L.lds, scratch + L.dop,
-                             int64_t(nq) * Ops::NR, dv, L.lddv, true);
-    Ops::template gemm<true>(nk, int(p.D), nq, tile.ds, L.lds, scratch + L.qp,
-                             int64_t(nq) * Ops::NR, dk, L.ldd, true);
+    int lda;
+    const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, scratch + L.a16, &lda);
+    Ops::template gemm<true>(nk, int(p.Dv), nq, a, lda, scratch + L.dop, int64_t(nq) * Ops::NR,
+                             dv, L.lddv, true);
+    a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, scratch + L.a16, &lda);
+    Ops::template gemm<true>(nk, int(p.D), nq, a, lda, scratch + L.qp, int64_t(nq) * Ops::NR, dk,
+                             L.ldd, true);
   }
 
   // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
   // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
-  static void add_dq(const AttnParams& p, const Layout& L, const float* scratch, int64_t i0,
-                     int nq, int64_t j0, int nk, const Tile& tile, float* dq) {
+  static void add_dq(const AttnParams& p, const Layout& L, float* scratch, int64_t i0, int nq,
+                     int64_t j0, int nk, const Tile& tile, float* dq) {
     const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
-    Ops::template gemm<false>(nq, int(p.D), nk, tile.ds, L.lds, scratch + L.kp,
-                              int64_t(nk) * Ops::NR, dq, L.ldd, true, ct.limit_k());
+    int lda;
+    const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, scratch + L.a16, &lda);
+    Ops::template gemm<false>(nq, int(p.D), nk, a, lda, scratch + L.kp, int64_t(nk) * Ops::NR,
+                              dq, L.ldd, true, ct.limit_k());
   }
 
   static void store_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t j0,

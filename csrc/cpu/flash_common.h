@@ -157,13 +157,15 @@ struct CausalTile {
 //   s += mask; causal cut at `valid`; m' = max(m, rowmax); alpha = 2^(m - m');
 //   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
 // Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
+// (mul: the scale the scores still need, 1 when Q came pre-scaled; P is defined up to the next
+// multiple of 8 past w, as the vector tiers' score_row / exp2_row_sum leave it.)
 template <class Ops>
-inline bool online_softmax_row(float* srow, int w, const float* madd, int valid, float* m,
-                               float* l, float* acc_row, int Dv) {
-  const float mx = Ops::score_row(srow, w, madd, valid);
+inline bool online_softmax_row(float* srow, int w, float mul, const float* madd, int valid,
+                               float* m, float* l, float* acc_row, int Dv) {
+  const float mx = Ops::score_row(srow, w, mul, madd, valid);
   const float m_new = mx > *m ? mx : *m;
   if (m_new == kNegInf) {
-    for (int c = 0; c < w; ++c) srow[c] = 0.0f;
+    for (int c = 0; c < int(round_up(w, 8)); ++c) srow[c] = 0.0f;
     return false;
   }
   const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0

@@ -18,8 +18,9 @@ namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
-template <class Ops, class T>
+template <class TierOps, class T>
 struct FlashDecode {
+  using Ops = typename DecodeOpsOf<TierOps>::type;
   static constexpr int kBlock = 256;         // keys per block: a V block stays in L1
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
@@ -78,6 +79,7 @@ struct FlashDecode {
     float* l = scratch + L.l;
     float* mbuf = scratch + L.mask;
     const float scale_log2 = p.scale * kLog2e;
+    static_assert(Ops::kScaleInA, "the decode kernels take Q pre-scaled in fp32");
 
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
@@ -99,7 +101,7 @@ struct FlashDecode {
           madd = mbuf + r * L.lds;
           mask_row_log2(p, b, h, i, j0, nk, madd);
         }
-        any |= online_softmax_row<Ops>(s + r * L.lds, nk, madd, causal_valid(p, i, j0, nk),
+        any |= online_softmax_row<Ops>(s + r * L.lds, nk, 1.0f, madd, causal_valid(p, i, j0, nk),
                                        &m[r], &l[r], acc + r * L.ldacc, int(p.Dv));
       }
       if (any)

@@ -23,7 +23,7 @@ struct FlashForward {
   // Scratch (floats) of one thread, carved in this order.
   struct Layout {
     int ldq, lds, ldacc;
-    int64_t q, kt, v, s, acc, m, l, mask, total;
+    int64_t q, kt, v, s, acc, m, l, mask, a16, total;
   };
   static Layout layout(const AttnParams& p, const Blocks& bl) {
     Layout L;
@@ -46,6 +46,7 @@ struct FlashForward {
     L.m = take(bl.bq);
     L.l = take(bl.bq);
     L.mask = take(int64_t(bl.bq) * bkp);
+    L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
     L.total = off;
     return L;
   }
@@ -95,10 +96,12 @@ struct FlashForward {
     float* l = scratch + L.l;
     MaskTile mt{scratch + L.mask, L.lds, false};
     const float scale_log2 = p.scale * kLog2e;
+    const float q_mul = Ops::kScaleInA ? scale_log2 : 1.0f;  // folded into Q, or
+    const float s_mul = Ops::kScaleInA ? 1.0f : scale_log2;  // applied to the scores
     const bool dropout = p.dropout_p > 0.0f;
 
     // Q_blk [nq, D] in fp32
-    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, scale_log2);
+    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
     for (int r = 0; r < nq; ++r) {
       m[r] = kNegInf;
       l[r] = 0.0f;
@@ -136,7 +139,7 @@ struct FlashForward {
         const int w = ct.width(r);  // columns of this row's group: the rest is never read
         float* srow = s + int64_t(r) * L.lds;
         const int valid = causal_valid(p, i, j0, nk);
-        if (!online_softmax_row<Ops>(srow, w, mt.row(mtile, r), valid, &m[r], &l[r],
+        if (!online_softmax_row<Ops>(srow, w, s_mul, mt.row(mtile, r), valid, &m[r], &l[r],
                                      acc + int64_t(r) * L.ldacc, Dv))
           continue;
         any_row = true;
@@ -145,7 +148,9 @@ struct FlashForward {
       if (!any_row) continue;  // the whole tile is masked: skip P V
       // acc += P V_blk   [nq, Dv]
       if (!prepacked) Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
-      Ops::template gemm<false>(nq, Dv, nk, s, L.lds, vp, v_stride, acc, L.ldacc, true,
+      int ldp;
+      const float* pa = Ops::template prep_a<false>(s, L.lds, nq, nk, scratch + L.a16, &ldp);
+      Ops::template gemm<false>(nq, Dv, nk, pa, ldp, vp, v_stride, acc, L.ldacc, true,
                                 ct.limit_k());
     }
 

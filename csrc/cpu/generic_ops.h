@@ -120,9 +120,21 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
   }
 }
 
+// The trait the decode path uses (a tier whose operand format does not suit the short-query
+// kernels specialises this to an fp32 trait).
+template <class Ops>
+struct DecodeOpsOf {
+  using type = Ops;
+};
+
 struct GenericOps {
   static constexpr int NR = 8;   // panel width: 2 vectors
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
+  // Operand formats. kScaleInA: the scores' scale * log2(e) is folded into the fp32 copy of Q
+  // (else score_row applies it). kPrepA: A operands made from fp32 tiles (P, dS) go through
+  // prep_a (a tier with another operand format converts them; fp32 tiers use them in place).
+  static constexpr bool kScaleInA = true;
+  static constexpr bool kPrepA = false;
   static constexpr int kBlockQ = 64;     // forward: query rows per block (fewer when Lq is shorter)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
 
@@ -204,9 +216,19 @@ struct GenericOps {
     gemm_loop<GenericOps, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
   }
 
-  // s[j] += madd[j] for j < valid (madd may be null), s[j] = -inf for valid <= j < n.
-  // Returns max_j s[j] (-inf if every column is masked).
-  static float score_row(float* s, int n, const float* madd, int valid) {
+  // The A operand of gemm<TransA>(M, N, K, ...) from an fp32 tile (row-major, ld floats):
+  // fp32 tiers use the tile itself.
+  template <bool TransA>
+  static const float* prep_a(const float* tile, int ld, int M, int K, float* buf, int* lda) {
+    (void)M, (void)K, (void)buf;
+    *lda = ld;
+    return tile;
+  }
+
+  // s[j] = s[j] * mul + madd[j] for j < valid (madd may be null; mul == 1 skips the multiply),
+  // s[j] = -inf for valid <= j < n. Returns max_j s[j] (-inf if every column is masked).
+  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
+    if (mul != 1.0f) scale_row(s, valid, mul);
     vf4 mx4 = vsplat(kNegInf);
     int j = 0;
     if (madd) {

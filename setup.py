@@ -28,6 +28,10 @@ TIERS = {
     "avx512": ("csrc/cpu/tiers/avx512.cpp",
                ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
                IS_X86),
+    "avx512_bf16": ("csrc/cpu/tiers/avx512bf16.cpp",
+                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                     "-mavx2", "-mfma", "-mf16c"],
+                    IS_X86),
 }
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]

@@ -118,6 +118,7 @@ namespace cpu {
 const CpuTier* portable_tier();
 const CpuTier* avx2_tier();
 const CpuTier* avx512_tier();
+const CpuTier* avx512_bf16_tier();
 }  // namespace cpu
 
 }  // namespace flashsdpa

@@ -149,6 +149,9 @@ const CpuTier* built_tier(Isa isa) {
 #if defined(FLASHSDPA_BUILD_AVX512)
     case Isa::Avx512: return avx512_tier();
 #endif
+#if defined(FLASHSDPA_BUILD_AVX512_BF16)
+    case Isa::Avx512Bf16: return avx512_bf16_tier();
+#endif
     default: return nullptr;
   }
 }

@@ -1,0 +1,245 @@
+// The AVX512-BF16 trait (bf16 inputs only): every GEMM of the forward and backward runs on
+// vdpbf16ps, which multiplies bf16 pairs and accumulates in fp32, twice the multiply-adds per
+// instruction of an fp32 FMA. Softmax, statistics and accumulators stay fp32; the decode path
+// uses the AVX-512 fp32 trait (it is memory-bound).
+//
+// Operand formats (the algorithm only sees float* buffers; this trait decides what is in them):
+//   A rows  bf16, row-major, pairs along the inner dimension adjacent, each row at the byte
+//           offset of an fp32 row of the same ld (load_rows; prep_a<false> for P and dS)
+//   A^T     for gemm<true>: pair (kk, kk+1) of column m adjacent, "rows" of pairs ld apart
+//           (prep_a<true>, the P^T / dS^T of the dV / dK products)
+//   B       panels of 32 columns as [K/2][32][2] bf16 (VNNI-2), K padded to even with zeros
+// The scores' scale is applied in fp32 by score_row (kScaleInA = false): folding it into bf16 Q
+// would round Q a second time.
+//
+// Micro-kernel: 12 rows x 32 columns in 24 zmm accumulators; per pair of inner steps 2 B loads
+// + 12 broadcast pairs feed 24 vdpbf16ps.
+#pragma once
+#include "avx512_ops.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+inline uint16_t* bf16_words(float* p) { return reinterpret_cast<uint16_t*>(p); }
+inline const uint16_t* bf16_words(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+template <class T>
+inline uint16_t to_bf16_bits(T v) {
+  return f32_to_bf16(to_f32(v));
+}
+template <>
+inline uint16_t to_bf16_bits<bf16_t>(bf16_t v) {
+  return v.x;
+}
+
+// 16 fp32 -> 16 bf16 (round to nearest even, NaN stays NaN)
+inline __m256i cvt16_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+
+struct Avx512Bf16Ops : Avx512Ops {
+  static constexpr int NR = 32;
+  static constexpr int MR = 12;
+  static constexpr bool kScaleInA = false;
+  static constexpr bool kPrepA = true;
+
+  // Pair (a, b) -> one 32-bit word: a in the low half.
+  static inline __m512i interleave_lo(__m512i a, __m512i b) {  // columns 0..15
+    const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                         32, 0);
+    return _mm512_permutex2var_epi16(a, idx, b);
+  }
+  static inline __m512i interleave_hi(__m512i a, __m512i b) {  // columns 16..31
+    const __m512i idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25,
+                                         56, 24, 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18,
+                                         49, 17, 48, 16);
+    return _mm512_permutex2var_epi16(a, idx, b);
+  }
+
+  // A rows in bf16 (mul is 1: kScaleInA is false); an odd row length gets a zero pair partner.
+  template <class T>
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
+    (void)mul;
+    for (int i = 0; i < rows; ++i) {
+      const T* s = src + i * ld;
+      uint16_t* d = bf16_words(dst + int64_t(i) * ldd);
+      for (int c = 0; c < cols; ++c) d[c] = to_bf16_bits(s[c]);
+      if (cols & 1) d[cols] = 0;
+    }
+  }
+
+  // B[kk][n] = src[kk*ld + n] as VNNI-2 panels: word (kp, n) = (B[2kp][n], B[2kp+1][n]).
+  template <class T>
+  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
+    for (int p = 0; p < np; ++p) {
+      const int n0 = p * NR, w = int(min64(NR, N - n0));
+      uint16_t* panel = bf16_words(dst + int64_t(p) * K * NR);
+      for (int kp = 0; kp < kp_n; ++kp) {
+        const T* r0 = src + (2 * kp) * ld + n0;
+        const bool has_r1 = 2 * kp + 1 < K;
+        uint16_t* out = panel + kp * 2 * NR;
+        if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {  // bf16: no conversion
+          const __mmask32 m = w == 32 ? __mmask32(~0u) : __mmask32((1u << w) - 1u);
+          const __m512i a = _mm512_maskz_loadu_epi16(m, r0);
+          const __m512i b = has_r1 ? _mm512_maskz_loadu_epi16(m, r0 + ld) : _mm512_setzero_si512();
+          _mm512_store_si512(out, interleave_lo(a, b));
+          _mm512_store_si512(out + 32, interleave_hi(a, b));
+        } else {
+          for (int n = 0; n < NR; ++n) {
+            out[2 * n] = n < w ? to_bf16_bits(r0[n]) : 0;
+            out[2 * n + 1] = (n < w && has_r1) ? to_bf16_bits(r0[ld + n]) : 0;
+          }
+        }
+      }
+    }
+  }
+
+  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): word (kp, n) is the pair
+  // (K[n][2kp], K[n][2kp+1]), adjacent in K's row, so this is a 32-bit transpose.
+  template <class T>
+  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+    const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
+    for (int p = 0; p < np; ++p) {
+      uint32_t* panel = reinterpret_cast<uint32_t*>(dst + int64_t(p) * K * NR);
+      for (int g = 0; g < NR / 8; ++g) {
+        const int n0 = p * NR + g * 8;
+        const int rows = int(max64(0, min64(8, N - n0)));
+        uint32_t* out = panel + g * 8;
+        int kp = 0;
+        if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {
+          for (; rows > 0 && kp + 8 <= K / 2; kp += 8) {  // 8 pairs of 8 rows at a time
+            __m256 r[8];
+            for (int i = 0; i < 8; ++i)
+              r[i] = i < rows ? _mm256_loadu_ps(reinterpret_cast<const float*>(
+                                    src + (n0 + i) * ld + 2 * kp))
+                              : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; ++i)
+              _mm256_store_ps(reinterpret_cast<float*>(out + (kp + i) * NR), r[i]);
+          }
+        }
+        for (; kp < kp_n; ++kp) {
+          for (int i = 0; i < 8; ++i) {
+            uint32_t word = 0;
+            if (i < rows) {
+              const T* row = src + (n0 + i) * ld;
+              const uint32_t lo = to_bf16_bits(row[2 * kp]);
+              const uint32_t hi = 2 * kp + 1 < K ? to_bf16_bits(row[2 * kp + 1]) : 0u;
+              word = lo | (hi << 16);
+            }
+            out[kp * NR + i] = word;
+          }
+        }
+      }
+    }
+  }
+
+  // fp32 tile -> A operand. TransA = false: rows of pairs along K (as load_rows).
+  // TransA = true: pair (kk, kk+1) of column m adjacent: "row" kp = (tile row 2kp, 2kp+1).
+  template <bool TransA>
+  static const float* prep_a(const float* tile, int ld, int M, int K, float* buf, int* lda) {
+    *lda = ld;
+    if (!TransA) {
+      for (int i = 0; i < M; ++i) {
+        const float* t = tile + int64_t(i) * ld;
+        uint16_t* d = bf16_words(buf + int64_t(i) * ld);
+        int c = 0;
+        for (; c + 16 <= K; c += 16)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + c), cvt16_bf16(_mm512_loadu_ps(t + c)));
+        if (c < K) {
+          const __mmask16 m = tail_mask16(K - c);
+          _mm256_mask_storeu_epi16(d + c, m, cvt16_bf16(_mm512_maskz_loadu_ps(m, t + c)));
+        }
+        if (K & 1) d[K] = 0;
+      }
+    } else {
+      for (int kp = 0; kp < (K + 1) / 2; ++kp) {
+        const float* t0 = tile + int64_t(2 * kp) * ld;
+        const bool has_t1 = 2 * kp + 1 < K;
+        uint16_t* d = bf16_words(buf + int64_t(kp) * ld);
+        for (int m = 0; m < M; m += 32) {
+          const int w = M - m < 32 ? M - m : 32;
+          const __mmask16 m0 = w >= 16 ? __mmask16(0xFFFF) : tail_mask16(w);
+          const __mmask16 m1 = w > 16 ? tail_mask16(w - 16) : __mmask16(0);
+          const __m512i a = _mm512_inserti64x4(
+              _mm512_castsi256_si512(cvt16_bf16(_mm512_maskz_loadu_ps(m0, t0 + m))),
+              cvt16_bf16(_mm512_maskz_loadu_ps(m1, t0 + m + 16)), 1);
+          const __m512i b =
+              has_t1 ? _mm512_inserti64x4(
+                           _mm512_castsi256_si512(cvt16_bf16(_mm512_maskz_loadu_ps(m0, t0 + ld + m))),
+                           cvt16_bf16(_mm512_maskz_loadu_ps(m1, t0 + ld + m + 16)), 1)
+                     : _mm512_setzero_si512();
+          const __mmask32 wm = w == 32 ? __mmask32(~0u) : __mmask32((1u << w) - 1u);
+          // words m .. m+w: 2w bf16, the first 32 from interleave_lo, the rest from _hi
+          const __mmask32 lo = w >= 16 ? __mmask32(~0u) : __mmask32((1ull << (2 * w)) - 1u);
+          const __mmask32 hi = w > 16 ? __mmask32((1ull << (2 * (w - 16))) - 1u) : __mmask32(0);
+          (void)wm;
+          _mm512_mask_storeu_epi16(d + 2 * m, lo, interleave_lo(a, b));
+          if (hi) _mm512_mask_storeu_epi16(d + 2 * m + 32, hi, interleave_hi(a, b));
+        }
+      }
+    }
+    return buf;
+  }
+
+  // C tile of R rows x 32 columns (=|+=) A * panel, over ceil(K / 2) pair steps.
+  template <bool TransA, int R>
+  static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
+                                int ldc, bool accumulate) {
+    static_assert(R >= 1 && R <= 12, "1 to 12 rows");
+    const __m512 z = _mm512_setzero_ps();
+    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
+    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
+    __m512 c80 = z, c81 = z, c90 = z, c91 = z, ca0 = z, ca1 = z, cb0 = z, cb1 = z;
+    const uint32_t* A = reinterpret_cast<const uint32_t*>(a);  // pairs
+    const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;  // in pairs
+    const uint16_t* B = bf16_words(panel);
+    const int kp_n = (K + 1) / 2;
+#define FLASHSDPA_ROW(i, n)                                                             \
+  if (R > n) {                                                                         \
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(int(A[kp * step_k + (n) * step_i])); \
+    c##i##0 = _mm512_dpbf16_ps(c##i##0, av, b0);                                       \
+    c##i##1 = _mm512_dpbf16_ps(c##i##1, av, b1);                                       \
+  }
+#pragma GCC unroll 2
+    for (int kp = 0; kp < kp_n; ++kp) {
+      const __m512bh b0 = (__m512bh)_mm512_load_si512(B + kp * 2 * NR);
+      const __m512bh b1 = (__m512bh)_mm512_load_si512(B + kp * 2 * NR + 32);
+      FLASHSDPA_ROW(0, 0) FLASHSDPA_ROW(1, 1) FLASHSDPA_ROW(2, 2) FLASHSDPA_ROW(3, 3)
+      FLASHSDPA_ROW(4, 4) FLASHSDPA_ROW(5, 5) FLASHSDPA_ROW(6, 6) FLASHSDPA_ROW(7, 7)
+      FLASHSDPA_ROW(8, 8) FLASHSDPA_ROW(9, 9) FLASHSDPA_ROW(a, 10) FLASHSDPA_ROW(b, 11)
+    }
+#undef FLASHSDPA_ROW
+#define FLASHSDPA_STORE(i, n)                                          \
+  if (R > n) {                                                        \
+    float* cr = c + int64_t(n) * ldc;                                 \
+    if (accumulate) {                                                 \
+      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
+      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
+    }                                                                 \
+    _mm512_storeu_ps(cr, c##i##0);                                    \
+    _mm512_storeu_ps(cr + 16, c##i##1);                               \
+  }
+    FLASHSDPA_STORE(0, 0) FLASHSDPA_STORE(1, 1) FLASHSDPA_STORE(2, 2) FLASHSDPA_STORE(3, 3)
+    FLASHSDPA_STORE(4, 4) FLASHSDPA_STORE(5, 5) FLASHSDPA_STORE(6, 6) FLASHSDPA_STORE(7, 7)
+    FLASHSDPA_STORE(8, 8) FLASHSDPA_STORE(9, 9) FLASHSDPA_STORE(a, 10) FLASHSDPA_STORE(b, 11)
+#undef FLASHSDPA_STORE
+  }
+
+  template <bool TransA>
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
+                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
+    gemm_loop<Avx512Bf16Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
+  }
+};
+
+template <>
+struct DecodeOpsOf<Avx512Bf16Ops> {
+  using type = Avx512Ops;
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -1,0 +1,10 @@
+// AVX512-BF16 tier (bf16 inputs): the blocked algorithms with the vdpbf16ps trait
+// (avx512bf16_ops.h). Compiled with the AVX-512 + AVX512-BF16 flags only; selected for bf16 when
+// CPUID reports AVX512_BF16 and XCR0 allows AVX-512.
+#define FLASHSDPA_TIER_NS avx512_bf16
+#include <type_traits>
+
+#include "../avx512bf16_ops.h"
+#include "../tier_impl.h"
+
+FLASHSDPA_DEFINE_TIER(avx512_bf16_tier, Avx512Bf16Ops, "avx512_bf16")

@@ -18,6 +18,23 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
+
+def _simde_include():
+    """Where SIMDe's headers are (Debian: libsimde-dev), or None."""
+    for d in (os.environ.get("SIMDE_INCLUDE_DIR"), "/usr/include", "/usr/local/include"):
+        if d and os.path.exists(os.path.join(d, "simde", "x86", "avx512.h")):
+            return d
+    return None
+
+
+SIMDE = _simde_include()
+# Test-only emulated tiers: the AVX-512 tier sources built against SIMDe with AVX2 flags, so
+# that their code runs (slowly) on CPUs without AVX-512. Only when SIMDe is installed
+# (`make test` installs it); a normal build never needs it. FLASHSDPA_NO_EMULATED=1 skips them.
+EMULATE = IS_X86 and SIMDE is not None and os.environ.get("FLASHSDPA_NO_EMULATED") != "1"
+EMU_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DFLASHSDPA_EMULATE"] + (
+    ["-isystem", SIMDE] if SIMDE and SIMDE not in ("/usr/include", "/usr/local/include") else [])
+
 GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/autograd.cpp", "csrc/module.cpp",
                    "csrc/cpu/isa.cpp"]
 
@@ -32,6 +49,9 @@ TIERS = {
                     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                      "-mavx2", "-mfma", "-mf16c"],
                     IS_X86),
+    # test-only emulations (same sources, SIMDe instead of AVX-512 instructions)
+    "avx512_emu": ("csrc/cpu/tiers/avx512.cpp", EMU_FLAGS, EMULATE),
+    "avx512_bf16_emu": ("csrc/cpu/tiers/avx512bf16.cpp", EMU_FLAGS, EMULATE),
 }
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]

@@ -65,6 +65,7 @@ py::list tiers_list() {
     py::dict t;
     t["name"] = flashsdpa::cpu::isa_name(isa);
     t["built"] = flashsdpa::cpu::built_tier(isa) != nullptr;
+    t["emulated_build"] = flashsdpa::cpu::emulated_tier(isa) != nullptr;
     t["cpu_ok"] = f.can_run[i];
     py::list dts;
     for (const char* dt : {"float32", "bfloat16", "float16"})
@@ -152,6 +153,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::string(flashsdpa::cpu::isa_name(flashsdpa::cpu::selected_isa(parse_dtype(dt))));
       },
       py::arg("dtype"));
+  m.def(
+      "set_emulated_tier",
+      [](const std::string& name) {
+        if (name.empty()) {
+          flashsdpa::cpu::clear_emulated_tier();
+        } else {
+          flashsdpa::cpu::set_emulated_tier(parse_isa_or_throw(name));
+        }
+      },
+      py::arg("name"), "test hook: run the SIMDe-emulated build of a tier ('' to stop)");
   m.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
   m.def("debug_poison", &flashsdpa::debug_poison);
   m.def(

@@ -220,7 +220,7 @@ void run_planned_phase(const AttnParams& p, Phase phase, cpu::Isa isa, const Cpu
 // Runs one phase: a parallel loop over the tier's work items, each thread with its own scratch.
 void run_phase(const AttnParams& p, Phase phase) {
   const cpu::Isa isa = cpu::selected_isa(p.dtype);
-  const CpuTier& tier = *cpu::built_tier(isa);
+  const CpuTier& tier = cpu::selected_tier(p.dtype);
   const PhasePlan plan = tier.plan(p, phase);
   run_planned_phase(p, phase, isa, tier, plan);
 }
@@ -305,7 +305,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
   if (out.numel() > 0 && use_decode_path(p)) {
     const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = *cpu::built_tier(isa);
+    const CpuTier& tier = cpu::selected_tier(p.dtype);
     const PhasePlan split = tier.plan(p, Phase::DecodeSplit);
     c10::DataPtr parts = c10::GetCPUAllocator()->allocate(split.shared_bytes);
     p.dec_part = static_cast<float*>(parts.get());
@@ -315,7 +315,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     // K^T / V panels packed once into a shared fp32 buffer when the forward would otherwise
     // repack each kv block for every q block (O(Lk) memory, freed on return)
     const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = *cpu::built_tier(isa);
+    const CpuTier& tier = cpu::selected_tier(p.dtype);
     const PhasePlan pack = tier.plan(p, Phase::PackKV);
     const auto policy = KvPrepack(g_kv_prepack.load(std::memory_order_relaxed));
     c10::DataPtr pack_owner;
@@ -399,7 +399,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     // Two strategies with bit-identical results (the same tiles, accumulated in the same order),
     // so picking one by thread count keeps gradients independent of the thread count.
     const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = *cpu::built_tier(isa);
+    const CpuTier& tier = cpu::selected_tier(p.dtype);
     const PhasePlan fused = tier.plan(p, Phase::BwdFused);
     const auto strategy = BwdStrategy(g_bwd_strategy.load(std::memory_order_relaxed));
     const bool use_fused = strategy == BwdStrategy::Fused ||

@@ -31,13 +31,36 @@ DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
 
 # ---- tiers -----------------------------------------------------------------------------------------
 RUNNABLE_TIERS = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"]]
+# Tiers whose code the suite also runs through their SIMDe-emulated build (csrc/cpu/simde_emu.h),
+# so that it is exercised on CPUs without the instructions. bf16-only tiers run the bf16 cases;
+# for other dtypes the normal choice applies.
+EMULATED_TIERS = ["avx512", "avx512_bf16", "amx"]
+_EMULATED_BUILT = {t["name"] for t in _C.tiers() if t["emulated_build"]}
 
 
-@pytest.fixture(params=RUNNABLE_TIERS)
+@contextlib.contextmanager
+def emulated(name):
+    _C.set_emulated_tier(name)
+    try:
+        yield
+    finally:
+        _C.set_emulated_tier("")
+
+
+@pytest.fixture(params=RUNNABLE_TIERS + [f"emu-{t}" for t in EMULATED_TIERS])
 def tier(request):
-    """Runs the test once per CPU tier this host can execute."""
-    with cap(request.param):
-        yield request.param
+    """Runs the test once per CPU tier this host can execute, and once per emulated tier."""
+    name = request.param
+    if name.startswith("emu-"):
+        real = name[len("emu-"):]
+        if real not in _EMULATED_BUILT:
+            pytest.skip(f"no emulated build of the {real} tier: it needs SIMDe at build time "
+                        "(Debian: apt-get install libsimde-dev; `make test` installs it)")
+        with emulated(real):
+            yield name
+    else:
+        with cap(name):
+            yield name
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,8 @@ bool linux_amx_permitted() {
 }
 #endif
 
-std::atomic<int> g_cap{-1};  // -1: no cap
+std::atomic<int> g_cap{-1};       // -1: no cap
+std::atomic<int> g_emulated{-1};  // -1: no emulated tier
 }  // namespace
 
 const char* isa_name(Isa isa) { return kIsaNames[int(isa)]; }
@@ -175,7 +176,32 @@ Isa isa_cap() {
   return c < 0 ? Isa(int(Isa::kCount) - 1) : Isa(c);
 }
 
+const CpuTier* emulated_tier(Isa isa) {
+  switch (isa) {
+#if defined(FLASHSDPA_BUILD_AVX512_EMU)
+    case Isa::Avx512: return avx512_emu_tier();
+#endif
+#if defined(FLASHSDPA_BUILD_AVX512_BF16_EMU)
+    case Isa::Avx512Bf16: return avx512_bf16_emu_tier();
+#endif
+    default: return nullptr;
+  }
+}
+
+void set_emulated_tier(Isa isa) {
+  TORCH_CHECK(emulated_tier(isa) != nullptr, "flashsdpa: no emulated build of the ",
+              isa_name(isa), " tier (build with SIMDe installed: Debian's libsimde-dev)");
+  g_emulated.store(int(isa));
+}
+void clear_emulated_tier() { g_emulated.store(-1); }
+
+bool emulated_tier_active(DType dt) {
+  const int e = g_emulated.load();
+  return e >= 0 && (Isa(e) == Isa::Avx512Bf16 || Isa(e) == Isa::Amx ? dt == DType::BF16 : true);
+}
+
 Isa selected_isa(DType dt) {
+  if (emulated_tier_active(dt)) return Isa(g_emulated.load());
   const CpuFeatures& f = host_features();
   for (int i = int(isa_cap()); i > 0; --i) {
     if (f.can_run[i] && tier_supports_dtype(Isa(i), dt)) return Isa(i);
@@ -183,7 +209,10 @@ Isa selected_isa(DType dt) {
   return Isa::Portable;
 }
 
-const CpuTier& selected_tier(DType dt) { return *built_tier(selected_isa(dt)); }
+const CpuTier& selected_tier(DType dt) {
+  if (emulated_tier_active(dt)) return *emulated_tier(Isa(g_emulated.load()));
+  return *built_tier(selected_isa(dt));
+}
 
 }  // namespace cpu
 }  // namespace flashsdpa

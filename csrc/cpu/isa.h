@@ -66,5 +66,13 @@ bool isa_cap_is_set();
 Isa selected_isa(DType dt);
 const CpuTier& selected_tier(DType dt);
 
+// Test hook: run the emulated build of a tier (SIMDe, csrc/cpu/simde_emu.h) for the dtypes it
+// implements, whatever the CPU; the other dtypes keep the normal choice. Throws if that
+// emulation is not compiled in. clear_emulated_tier() ends it.
+const CpuTier* emulated_tier(Isa isa);
+void set_emulated_tier(Isa isa);
+void clear_emulated_tier();
+bool emulated_tier_active(DType dt);
+
 }  // namespace cpu
 }  // namespace flashsdpa

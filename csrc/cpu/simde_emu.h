@@ -1,0 +1,123 @@
+// Test-only: build an AVX-512 tier source for a CPU without AVX-512. SIMDe (Debian's
+// libsimde-dev) implements the _mm512_* intrinsics in portable code (AVX2 where available) behind
+// its native aliases; the few it lacks are filled in here. Never part of a normal build:
+// setup.py compiles the tiers this way, as extra "emulated" tiers, only when the SIMDe headers
+// are present, and only tests select them (flashsdpa._C.set_emulated_tier).
+#pragma once
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
+
+namespace flashsdpa {
+namespace emu {
+inline float reduce_add_ps(simde__m512 v) {
+  simde__m512_private p = simde__m512_to_private(v);
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += p.f32[i];
+  return s;
+}
+inline float reduce_max_ps(simde__m512 v) {
+  simde__m512_private p = simde__m512_to_private(v);
+  float m = p.f32[0];
+  for (int i = 1; i < 16; ++i) m = p.f32[i] > m ? p.f32[i] : m;
+  return m;
+}
+// vcvtneps2bf16: round to nearest even, NaN -> quiet NaN
+inline simde__m256bh cvtneps_pbh(simde__m512 v) {
+  simde__m512_private p = simde__m512_to_private(v);
+  uint16_t out[16];
+  for (int i = 0; i < 16; ++i) {
+    uint32_t u;
+    simde_memcpy(&u, &p.f32[i], 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      out[i] = uint16_t((u >> 16) | 0x0040u);
+    } else {
+      out[i] = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  simde__m256bh r;
+  simde_memcpy(&r, out, sizeof(r));
+  return r;
+}
+// masked loads (zero where the mask is clear; nothing read there) and masked stores
+inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* mem) {
+  simde__m512_private r = simde__m512_to_private(simde_mm512_setzero_ps());
+  const float* m = static_cast<const float*>(mem);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) r.f32[i] = m[i];
+  return simde__m512_from_private(r);
+}
+inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* mem) {
+  uint16_t v[16] = {};
+  const uint16_t* m = static_cast<const uint16_t*>(mem);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) v[i] = m[i];
+  simde__m256i r;
+  simde_memcpy(&r, v, sizeof(r));
+  return r;
+}
+inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* mem) {
+  uint16_t v[32] = {};
+  const uint16_t* m = static_cast<const uint16_t*>(mem);
+  for (int i = 0; i < 32; ++i)
+    if ((k >> i) & 1) v[i] = m[i];
+  simde__m512i r;
+  simde_memcpy(&r, v, sizeof(r));
+  return r;
+}
+inline void mask_storeu_epi16_256(void* mem, simde__mmask16 k, simde__m256i a) {
+  uint16_t v[16];
+  simde_memcpy(v, &a, sizeof(v));
+  uint16_t* m = static_cast<uint16_t*>(mem);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) m[i] = v[i];
+}
+inline void mask_storeu_epi16_512(void* mem, simde__mmask32 k, simde__m512i a) {
+  uint16_t v[32];
+  simde_memcpy(v, &a, sizeof(v));
+  uint16_t* m = static_cast<uint16_t*>(mem);
+  for (int i = 0; i < 32; ++i)
+    if ((k >> i) & 1) m[i] = v[i];
+}
+inline simde__m512i cvtepu16_epi32(simde__m256i a) {
+  uint16_t v[16];
+  simde_memcpy(v, &a, sizeof(v));
+  uint32_t w[16];
+  for (int i = 0; i < 16; ++i) w[i] = v[i];
+  simde__m512i r;
+  simde_memcpy(&r, w, sizeof(r));
+  return r;
+}
+inline simde__m512 cvtph_ps(simde__m256i a) {  // fp16 -> fp32 through the F16C 8-wide op
+  simde__m128i lo, hi;
+  simde_memcpy(&lo, &a, 16);
+  simde_memcpy(&hi, reinterpret_cast<const char*>(&a) + 16, 16);
+  const simde__m256 l = simde_mm256_cvtph_ps(lo), h = simde_mm256_cvtph_ps(hi);
+  simde__m512 r;
+  simde_memcpy(&r, &l, 32);
+  simde_memcpy(reinterpret_cast<char*>(&r) + 32, &h, 32);
+  return r;
+}
+}  // namespace emu
+}  // namespace flashsdpa
+
+#undef _mm512_cvtepu16_epi32
+#define _mm512_cvtepu16_epi32(a) flashsdpa::emu::cvtepu16_epi32(a)
+#undef _mm512_cvtph_ps
+#define _mm512_cvtph_ps(a) flashsdpa::emu::cvtph_ps(a)
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps(k, p) flashsdpa::emu::maskz_loadu_ps(k, p)
+#undef _mm256_maskz_loadu_epi16
+#define _mm256_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_256(k, p)
+#undef _mm512_maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_512(k, p)
+#undef _mm256_mask_storeu_epi16
+#define _mm256_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16_256(p, k, a)
+#undef _mm512_mask_storeu_epi16
+#define _mm512_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16_512(p, k, a)
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh(v) flashsdpa::emu::cvtneps_pbh(v)
+#undef _mm512_reduce_add_ps
+#undef _mm512_reduce_max_ps
+#define _mm512_reduce_add_ps(v) flashsdpa::emu::reduce_add_ps(v)
+#define _mm512_reduce_max_ps(v) flashsdpa::emu::reduce_max_ps(v)

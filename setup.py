@@ -49,9 +49,14 @@ TIERS = {
                     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                      "-mavx2", "-mfma", "-mf16c"],
                     IS_X86),
+    "amx": ("csrc/cpu/tiers/amx.cpp",
+            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
+             "-mamx-bf16", "-mavx2", "-mfma", "-mf16c"],
+            IS_X86),
     # test-only emulations (same sources, SIMDe instead of AVX-512 instructions)
     "avx512_emu": ("csrc/cpu/tiers/avx512.cpp", EMU_FLAGS, EMULATE),
     "avx512_bf16_emu": ("csrc/cpu/tiers/avx512bf16.cpp", EMU_FLAGS, EMULATE),
+    "amx_emu": ("csrc/cpu/tiers/amx.cpp", EMU_FLAGS, EMULATE),
 }
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]

@@ -119,9 +119,11 @@ const CpuTier* portable_tier();
 const CpuTier* avx2_tier();
 const CpuTier* avx512_tier();
 const CpuTier* avx512_bf16_tier();
+const CpuTier* amx_tier();
 // Test-only emulated builds of the tiers above (SIMDe), when compiled in.
 const CpuTier* avx512_emu_tier();
 const CpuTier* avx512_bf16_emu_tier();
+const CpuTier* amx_emu_tier();
 }  // namespace cpu
 
 }  // namespace flashsdpa

@@ -135,6 +135,11 @@ struct GenericOps {
   // prep_a (a tier with another operand format converts them; fp32 tiers use them in place).
   static constexpr bool kScaleInA = true;
   static constexpr bool kPrepA = false;
+
+  // Called by each thread before and after a run of work items (per-thread CPU state, such as
+  // the AMX tile configuration).
+  static void thread_begin() {}
+  static void thread_end() {}
   static constexpr int kBlockQ = 64;     // forward: query rows per block (fewer when Lq is shorter)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
 

@@ -24,6 +24,7 @@ inline bool bit(uint64_t word, int b) { return (word >> b) & 1u; }
 
 #if defined(__linux__) && defined(FLASHSDPA_X86)
 constexpr int kArchGetXcompPerm = 0x1022;
+constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
 bool linux_amx_permitted() {
   uint64_t bitmask = 0;
@@ -31,6 +32,21 @@ bool linux_amx_permitted() {
   return bit(bitmask, kXfeatureXtiledata);
 }
 #endif
+
+// Tile data needs the process's permission on Linux (>= 5.16); asked once, the first time the
+// amx tier could be selected. Without it, AMX instructions fault, so the tier is not used.
+bool amx_usable() {
+  static const bool ok = [] {
+#if defined(__linux__) && defined(FLASHSDPA_X86)
+    if (linux_amx_permitted()) return true;
+    syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata);
+    return linux_amx_permitted();
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
 
 std::atomic<int> g_cap{-1};       // -1: no cap
 std::atomic<int> g_emulated{-1};  // -1: no emulated tier
@@ -153,6 +169,9 @@ const CpuTier* built_tier(Isa isa) {
 #if defined(FLASHSDPA_BUILD_AVX512_BF16)
     case Isa::Avx512Bf16: return avx512_bf16_tier();
 #endif
+#if defined(FLASHSDPA_BUILD_AMX)
+    case Isa::Amx: return amx_tier();
+#endif
     default: return nullptr;
   }
 }
@@ -184,6 +203,9 @@ const CpuTier* emulated_tier(Isa isa) {
 #if defined(FLASHSDPA_BUILD_AVX512_BF16_EMU)
     case Isa::Avx512Bf16: return avx512_bf16_emu_tier();
 #endif
+#if defined(FLASHSDPA_BUILD_AMX_EMU)
+    case Isa::Amx: return amx_emu_tier();
+#endif
     default: return nullptr;
   }
 }
@@ -204,7 +226,9 @@ Isa selected_isa(DType dt) {
   if (emulated_tier_active(dt)) return Isa(g_emulated.load());
   const CpuFeatures& f = host_features();
   for (int i = int(isa_cap()); i > 0; --i) {
-    if (f.can_run[i] && tier_supports_dtype(Isa(i), dt)) return Isa(i);
+    if (!f.can_run[i] || !tier_supports_dtype(Isa(i), dt)) continue;
+    if (Isa(i) == Isa::Amx && !amx_usable()) continue;
+    return Isa(i);
   }
   return Isa::Portable;
 }

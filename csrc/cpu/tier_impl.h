@@ -10,6 +10,15 @@ namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
+// Per-thread setup a trait needs around a run of work items (Ops::thread_begin / thread_end).
+template <class Ops>
+struct ThreadState {
+  ThreadState() { Ops::thread_begin(); }
+  ~ThreadState() { Ops::thread_end(); }
+  ThreadState(const ThreadState&) = delete;
+  ThreadState& operator=(const ThreadState&) = delete;
+};
+
 template <class Ops>
 struct TierImpl {
   template <class T>
@@ -60,6 +69,7 @@ struct TierImpl {
                         void* scratch_v) {
     const Blocks bl = choose_blocks<Ops>(p, phase);
     float* scratch = static_cast<float*>(scratch_v);
+    const ThreadState<Ops> thread_state;  // e.g. AMX: tile configuration loaded / released
     for (int64_t item = begin; item < end; ++item) {
       switch (phase) {
         case Phase::PackKV: FlashForward<Ops, T>::run_pack(p, bl, item); break;

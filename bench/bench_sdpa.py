@@ -2,6 +2,7 @@
 
 Providers (--providers, comma separated):
     flashsdpa    flashsdpa.scaled_dot_product_attention (the direct API)
+    flashsdpa@T  the same, capped at CPU tier T (portable, avx2, avx512, avx512_bf16, amx)
     torch_flash  F.scaled_dot_product_attention forced to PyTorch's flash CPU kernel
     torch_math   F.scaled_dot_product_attention forced to PyTorch's math kernel
 Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache).
@@ -80,6 +81,22 @@ PROVIDERS = {
 }
 
 
+def provider(name):
+    """A provider by name; "flashsdpa@<tier>" runs flashsdpa capped at that CPU tier."""
+    if name in PROVIDERS:
+        return PROVIDERS[name]
+    base, _, tier = name.partition("@")
+    if base == "flashsdpa" and tier:
+        from flashsdpa._isa import cap
+
+        def call(q, k, v, causal, gqa):
+            with cap(tier):
+                return _flashsdpa(q, k, v, causal, gqa)
+        return call
+    raise SystemExit(f"unknown provider {name!r}; choose from {', '.join(PROVIDERS)} "
+                     "or flashsdpa@<tier>")
+
+
 # ---- cost model ------------------------------------------------------------------------------------
 def visible_pairs(L, S, causal):
     """(query, key) pairs that take part: all, or the top-left causal triangle."""
@@ -155,8 +172,7 @@ def run(args):
     threads = torch.get_num_threads()
     providers = args.providers.split(",")
     for p in providers:
-        if p not in PROVIDERS:
-            raise SystemExit(f"unknown provider {p!r}; choose from {', '.join(PROVIDERS)}")
+        provider(p)  # validates the name
     dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     causal_opts = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.mode == "decode":
@@ -193,7 +209,7 @@ def run(args):
                     for t in (q, k, v):
                         t.requires_grad_(True)
                 gqa = Hq != Hkv
-                steps = {p: make_step(PROVIDERS[p], q, k, v, causal, gqa, args.mode)
+                steps = {p: make_step(provider(p), q, k, v, causal, gqa, args.mode)
                          for p in providers}
                 samples = time_case(steps, args.repeats)
                 case_pk = pk
@@ -282,7 +298,9 @@ def markdown(meta, rows):
                 cells.append(f"{s:.2f}x" if s else "-")
                 if s:
                     speedups.setdefault((p, dt, causal), []).append(s)
-        main = by_p.get("flashsdpa") or next(iter(by_p.values()))
+        main = by_p.get("flashsdpa") or next(
+            (r for name, r in by_p.items() if name.startswith("flashsdpa")),
+            next(iter(by_p.values())))
         cells.append(f"{100 * main['frac_peak']:.0f}%" if main.get("frac_peak") else "-")
         lines.append("| " + " | ".join(cells) + " |")
     summary = []

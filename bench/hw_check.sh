@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One command for a machine with AVX-512 / AVX512-BF16 / AMX (or any x86 CPU): builds flashsdpa
+# without the emulated test tiers, prints what the CPU offers, runs the correctness suite on
+# every tier the CPU runs natively, then benchmarks each of those tiers against PyTorch's own
+# kernel in one process (forward, forward+backward, decode) and prints compact tables.
+# About 6-8 minutes on a few cores. Results: bench/results/hw_*.json / .csv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export FLASHSDPA_NO_EMULATED=1   # the emulated tiers are for CPUs that lack the instructions
+make build >/dev/null
+PY=.venv/bin/python
+$PY -m flashsdpa
+lscpu 2>/dev/null | grep -iE "model name|^flags" | sed 's/^Flags:/flags:/' | cut -c1-200 || true
+
+echo; echo "== correctness, every native tier (tests parametrised by tier)"
+$PY -m pytest -q -x -p no:cacheprovider -k "not emu-" \
+  tests/test_correctness.py tests/test_masks.py tests/test_dropout.py tests/test_backward.py \
+  tests/test_decode.py
+
+TIERS=$($PY -c "from flashsdpa import _C; print(','.join('flashsdpa@' + t['name'] for t in _C.tiers() if t['built'] and t['cpu_ok'] and t['name'] != 'portable'))")
+echo; echo "== bench, tiers: ${TIERS}"
+$PY bench/bench_sdpa.py --mode fwd --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
+  --causal no --shapes 1x16x1024x64,1x8x2048x128 --repeats 3 --tag hw_fwd
+$PY bench/bench_sdpa.py --mode train --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
+  --causal yes --shapes 1x16x1024x64 --repeats 3 --tag hw_train
+$PY bench/bench_sdpa.py --mode decode --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
+  --shapes 1x32x4096x128,1x32/8x8192x128 --repeats 5 --tag hw_decode

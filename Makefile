@@ -7,7 +7,9 @@ DEPS   := torch==2.13.0 triton==3.7.1 numpy pybind11 ninja pytest
 STAMP  := $(VENV)/.deps-installed
 BENCH_ARGS ?=
 
-.PHONY: all test bench build deps peak bench-all readme-table clean
+SIMDE_HEADER := /usr/include/simde/x86/avx512.h
+
+.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean
 
 all: test
 
@@ -18,8 +20,18 @@ $(STAMP): Makefile
 
 deps: $(STAMP)
 
+# SIMDe (Debian's libsimde-dev) lets the build add emulated AVX-512 / AMX tiers that the tests
+# run on any x86 CPU. Best effort: without it those tests skip, saying why.
+simde:
+	@test -f $(SIMDE_HEADER) || { \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  command -v apt-get >/dev/null 2>&1 && \
+	  { $$SUDO apt-get install -y -q libsimde-dev >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libsimde-dev >/dev/null 2>&1; }; }; \
+	  test -f $(SIMDE_HEADER) || echo "note: SIMDe not installed; the emulated-tier tests will skip"; }
+
 # Incremental: ninja only recompiles what changed.
-build: $(STAMP)
+build: $(STAMP) simde
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 
 test: build
@@ -38,6 +50,10 @@ bench-all: build
 	$(PY) bench/bench_sdpa.py --mode train --repeats 3 --shapes 1x16x1024x64,1x8x2048x128,4x16x512x64,1x16/4x1024x128
 	$(PY) bench/bench_sdpa.py --mode decode
 	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json
+
+# On a machine with AVX-512 / AMX: native tests and benchmarks per tier, in one command.
+hw-check:
+	bench/hw_check.sh
 
 readme-table:
 	$(PY) bench/report.py --readme README.md bench/results/*.json

@@ -108,7 +108,7 @@ def test_gpt_block_matches_pytorch(mode):
              torch.float32, f"GPT block {mode}")
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "compile", "compile-cpp-wrapper"])
 def test_gpt_block_with_dropout_trains(mode):
     torch.manual_seed(0)
     model = Block(dropout=0.1).train()
@@ -116,8 +116,9 @@ def test_gpt_block_with_dropout_trains(mode):
     target = torch.randn_like(x)
     flashsdpa.enable()
     step_model = model
-    if mode == "compile":
+    if mode != "eager":
         torch._dynamo.reset()
+        torch._inductor.config.cpp_wrapper = mode == "compile-cpp-wrapper"
         step_model = torch.compile(model, fullgraph=True)
         step_model(x, pad).sum().backward()  # compile outside the profiled call
     names = flash_ranges(lambda: step_model(x, pad).sum().backward())
@@ -132,6 +133,39 @@ def test_gpt_block_with_dropout_trains(mode):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_gpt_block_under_autocast_bf16(mode):
+    """Under autocast(bf16) the block's attention runs flashsdpa's bf16 kernels, forward and
+    backward, and outputs / gradients stay within the error rule against PyTorch's own run."""
+    torch.manual_seed(0)
+    model = Block().train()
+    x, pad = _batch()
+    ref_model = Block().double()
+    ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    ref_out, ref_grads = _run_block(ref_model, x.double(), pad)
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _run_block(m, x, pad)
+
+    def maybe_compiled():
+        if mode == "eager":
+            return model
+        torch._dynamo.reset()
+        return torch.compile(model, fullgraph=True)
+
+    flashsdpa.disable()
+    torch_out, torch_grads = run(maybe_compiled())
+    flashsdpa.enable()
+    m = maybe_compiled()
+    ours_out, ours_grads = run(m)
+    names = flash_ranges(lambda: run(m))
+    assert has_fwd_and_bwd(names), names
+    assert any("bf16" in n for n in names), names
+    _compare([ours_out.float()] + ours_grads, [torch_out.float()] + torch_grads,
+             [ref_out] + ref_grads, torch.bfloat16, f"GPT block autocast {mode}")
 
 
 def test_routed_dropout_keep_rate():

@@ -140,7 +140,7 @@ struct AmxOps : Avx512Bf16Ops {
 
 template <>
 struct DecodeOpsOf<AmxOps> {
-  using type = Avx512Ops;
+  using type = Avx512Bf16DecodeOps;  // short queries do not fill tiles
 };
 
 }  // namespace FLASHSDPA_TIER_NS

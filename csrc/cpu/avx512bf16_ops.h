@@ -1,7 +1,8 @@
 // The AVX512-BF16 trait (bf16 inputs only): every GEMM of the forward and backward runs on
 // vdpbf16ps, which multiplies bf16 pairs and accumulates in fp32, twice the multiply-adds per
-// instruction of an fp32 FMA. Softmax, statistics and accumulators stay fp32; the decode path
-// uses the AVX-512 fp32 trait (it is memory-bound).
+// instruction of an fp32 FMA. Softmax, statistics and accumulators stay fp32. The decode path
+// (Avx512Bf16DecodeOps below) runs Q . K on vdpbf16ps straight from the K rows and P V with V
+// widened to fp32.
 //
 // Operand formats (the algorithm only sees float* buffers; this trait decides what is in them):
 //   A rows  bf16, row-major, pairs along the inner dimension adjacent, each row at the byte
@@ -15,6 +16,8 @@
 // Micro-kernel: 12 rows x 32 columns in 24 zmm accumulators; per pair of inner steps 2 B loads
 // + 12 broadcast pairs feed 24 vdpbf16ps.
 #pragma once
+#include <type_traits>
+
 #include "avx512_ops.h"
 
 namespace flashsdpa {
@@ -235,9 +238,96 @@ struct Avx512Bf16Ops : Avx512Ops {
   }
 };
 
+// The decode path of this tier: Q . K on vdpbf16ps (bf16 Q rows, unscaled; K rows read in place
+// as bf16 pairs along the head dim), P V as in the AVX-512 trait (V widened, P in fp32).
+struct Avx512Bf16DecodeOps : Avx512Ops {
+  static constexpr bool kScaleInA = false;
+
+  template <class T>
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
+    Avx512Bf16Ops::load_rows(src, ld, rows, cols, dst, ldd, mul);
+  }
+
+  // Four keys x two query rows: 8 zmm accumulators over 32-wide chunks of the head dim; each
+  // accumulator is folded to 8 lanes and four of them summed by a hadd tree.
+  template <bool kTwo>
+  static inline void qk_4keys_bf16(const uint16_t* k0, int64_t ldk, int D, const uint16_t* q0,
+                                   const uint16_t* q1, float* s0, float* s1) {
+    const __m512 z = _mm512_setzero_ps();
+    __m512 a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
+    const auto step = [&](__m512i v0, __m512i v1, __m512i v2, __m512i v3, __m512i qa,
+                          __m512i qb) {
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)qa, (__m512bh)v0);
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)qa, (__m512bh)v1);
+      a2 = _mm512_dpbf16_ps(a2, (__m512bh)qa, (__m512bh)v2);
+      a3 = _mm512_dpbf16_ps(a3, (__m512bh)qa, (__m512bh)v3);
+      if (kTwo) {
+        b0 = _mm512_dpbf16_ps(b0, (__m512bh)qb, (__m512bh)v0);
+        b1 = _mm512_dpbf16_ps(b1, (__m512bh)qb, (__m512bh)v1);
+        b2 = _mm512_dpbf16_ps(b2, (__m512bh)qb, (__m512bh)v2);
+        b3 = _mm512_dpbf16_ps(b3, (__m512bh)qb, (__m512bh)v3);
+      }
+    };
+    int d = 0;
+    for (; d + 32 <= D; d += 32)
+      step(_mm512_loadu_si512(k0 + d), _mm512_loadu_si512(k0 + ldk + d),
+           _mm512_loadu_si512(k0 + 2 * ldk + d), _mm512_loadu_si512(k0 + 3 * ldk + d),
+           _mm512_loadu_si512(q0 + d), kTwo ? _mm512_loadu_si512(q1 + d) : _mm512_setzero_si512());
+    if (d < D) {  // masked: missing elements (and half pairs) read as 0
+      const __mmask32 m = __mmask32((1ull << (D - d)) - 1u);
+      step(_mm512_maskz_loadu_epi16(m, k0 + d), _mm512_maskz_loadu_epi16(m, k0 + ldk + d),
+           _mm512_maskz_loadu_epi16(m, k0 + 2 * ldk + d),
+           _mm512_maskz_loadu_epi16(m, k0 + 3 * ldk + d), _mm512_maskz_loadu_epi16(m, q0 + d),
+           kTwo ? _mm512_maskz_loadu_epi16(m, q1 + d) : _mm512_setzero_si512());
+    }
+    const auto fold = [](__m512 x) {
+      return _mm256_add_ps(_mm512_castps512_ps256(x),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    };
+    const auto reduce4 = [&](__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(x0), fold(x1)),
+                                      _mm256_hadd_ps(fold(x2), fold(x3)));
+      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    };
+    _mm_storeu_ps(s0, reduce4(a0, a1, a2, a3));
+    if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
+  }
+
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    int j = 0;
+    if constexpr (std::is_same<T, bf16_t>::value) {
+      const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+      for (; j + 4 <= nk; j += 4) {
+        const uint16_t* k0 = kb + j * ldk;
+        prefetch_rows(k + (j + kPrefetchRows) * ldk, ldk, 4, D);
+        int r = 0;
+        for (; r + 2 <= M; r += 2)
+          qk_4keys_bf16<true>(k0, ldk, D, bf16_words(q + int64_t(r) * ldq),
+                              bf16_words(q + int64_t(r + 1) * ldq), s + int64_t(r) * lds + j,
+                              s + int64_t(r + 1) * lds + j);
+        if (r < M)
+          qk_4keys_bf16<false>(k0, ldk, D, bf16_words(q + int64_t(r) * ldq), nullptr,
+                               s + int64_t(r) * lds + j, nullptr);
+      }
+    }
+    for (; j < nk; ++j) {  // the last keys (and other dtypes, which this tier never runs)
+      const T* kj = k + j * ldk;
+      for (int r = 0; r < M; ++r) {
+        const uint16_t* qr = bf16_words(q + int64_t(r) * ldq);
+        float sum = 0.0f;
+        for (int d = 0; d < D; ++d) sum += bf16_to_f32(qr[d]) * to_f32(kj[d]);
+        s[int64_t(r) * lds + j] = sum;
+      }
+    }
+  }
+};
+
 template <>
 struct DecodeOpsOf<Avx512Bf16Ops> {
-  using type = Avx512Ops;
+  using type = Avx512Bf16DecodeOps;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -79,11 +79,12 @@ struct FlashDecode {
     float* l = scratch + L.l;
     float* mbuf = scratch + L.mask;
     const float scale_log2 = p.scale * kLog2e;
-    static_assert(Ops::kScaleInA, "the decode kernels take Q pre-scaled in fp32");
+    const float q_mul = Ops::kScaleInA ? scale_log2 : 1.0f;  // folded into Q, or
+    const float s_mul = Ops::kScaleInA ? 1.0f : scale_log2;  // applied to the scores
 
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
-      Ops::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, scale_log2);
+      Ops::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, q_mul);
       m[r] = kNegInf;
       l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
@@ -101,8 +102,9 @@ struct FlashDecode {
           madd = mbuf + r * L.lds;
           mask_row_log2(p, b, h, i, j0, nk, madd);
         }
-        any |= online_softmax_row<Ops>(s + r * L.lds, nk, 1.0f, madd, causal_valid(p, i, j0, nk),
-                                       &m[r], &l[r], acc + r * L.ldacc, int(p.Dv));
+        any |= online_softmax_row<Ops>(s + r * L.lds, nk, s_mul, madd,
+                                       causal_valid(p, i, j0, nk), &m[r], &l[r],
+                                       acc + r * L.ldacc, int(p.Dv));
       }
       if (any)
         Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,

@@ -189,6 +189,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "install the aten SDPA overrides (flashsdpa.enable)");
   m.def("routing_disable", &flashsdpa::routing_disable, "remove them (flashsdpa.disable)");
   m.def("routing_enabled", &flashsdpa::routing_enabled);
+  m.def("set_overrideable_route", &flashsdpa::set_overrideable_route, py::arg("device"),
+        "route SDPA calls on this device type to the overrideable aten op ('' for none)");
   m.def(
       "decline_reasons",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

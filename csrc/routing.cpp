@@ -18,12 +18,14 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_fused_sdp_choice.h>
+#include <ATen/ops/_scaled_dot_product_fused_attention_overrideable.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_native.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_native.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -143,9 +145,42 @@ bool tracing(const at::Tensor& t) {
          c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
 }
 
+// The device type whose SDPA calls go to aten::_scaled_dot_product_fused_attention_overrideable,
+// where flashsdpa's Triton kernels are registered (flashsdpa/_gpu.py); -1: none.
+std::atomic<int> g_overrideable_device{-1};
+constexpr int64_t kTritonMaxHeadDim = 256;
+
+std::vector<std::string> decline_reasons_impl(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v,
+                                              const c10::optional<at::Tensor>& mask,
+                                              double dropout_p, bool cpu_only);
+
+// A device routed to the overrideable op: every call the Triton kernels take goes there (PyTorch's
+// autograd formula and meta kernel for that op stay in charge); the rest runs PyTorch's SDPA.
+at::Tensor sdpa_via_overrideable(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const c10::optional<at::Tensor>& mask, double dropout_p,
+                                 bool is_causal, c10::optional<double> scale, bool enable_gqa) {
+  auto& ctx = at::globalContext();
+  if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledOverrideableSDP())
+    return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+  auto reasons = decline_reasons_impl(q, k, v, mask, dropout_p, /*cpu_only=*/false);
+  if (reasons.empty() && (holds(q.sym_size(-1) > kTritonMaxHeadDim) ||
+                          holds(v.sym_size(-1) > kTritonMaxHeadDim)))
+    reasons.push_back("head dim above 256 (Triton kernels)");
+  if (reasons.empty() && valid_call(q, k, v, mask, dropout_p, enable_gqa)) {
+    return std::get<0>(at::_scaled_dot_product_fused_attention_overrideable(
+        q, k, v, mask, dropout_p, is_causal, /*return_debug_mask=*/false, scale));
+  }
+  note_fallback(reasons.empty() ? "invalid arguments: PyTorch reports the error"
+                                : reasons.front());
+  return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
 at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      c10::optional<double> scale, bool enable_gqa) {
+  if (static_cast<int>(q.device().type()) == g_overrideable_device.load())
+    return sdpa_via_overrideable(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
   // Not ours to take: other devices, or the user excluded the flash backend (sdpa_kernel).
   if (!q.device().is_cpu() || !at::globalContext().userEnabledFlashSDP())
     return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
@@ -263,12 +298,13 @@ bool valid_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
-std::vector<std::string> decline_reasons(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v,
-                                         const c10::optional<at::Tensor>& mask,
-                                         double dropout_p, bool enable_gqa) {
+namespace {
+std::vector<std::string> decline_reasons_impl(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v,
+                                              const c10::optional<at::Tensor>& mask,
+                                              double dropout_p, bool cpu_only) {
   std::vector<std::string> r;
-  if (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu())
+  if (cpu_only && (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu()))
     r.push_back(std::string("tensors on ") + c10::DeviceTypeName(q.device().type(), true) +
                 ": only CPU kernels are built in");
   if (!kernel_dtype(q.scalar_type()))
@@ -288,8 +324,16 @@ std::vector<std::string> decline_reasons(const at::Tensor& q, const at::Tensor& 
   if (mask.has_value() && mask->defined() && mask->requires_grad() &&
       at::GradMode::is_enabled())
     r.push_back("attn_mask requires grad: flashsdpa computes no mask gradient");
-  (void)enable_gqa;
   return r;
+}
+}  // namespace
+
+std::vector<std::string> decline_reasons(const at::Tensor& q, const at::Tensor& k,
+                                         const at::Tensor& v,
+                                         const c10::optional<at::Tensor>& mask,
+                                         double dropout_p, bool enable_gqa) {
+  (void)enable_gqa;
+  return decline_reasons_impl(q, k, v, mask, dropout_p, /*cpu_only=*/true);
 }
 
 std::string decline_reason(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -332,6 +376,11 @@ void routing_enable() {
                                                c10::DispatchKey::CompositeImplicitAutograd,
                                                __FILE__, __LINE__);
   g_cia_lib->impl("scaled_dot_product_attention", &aten_sdpa);
+}
+
+void set_overrideable_route(const std::string& device) {
+  g_overrideable_device.store(
+      device.empty() ? -1 : static_cast<int>(c10::Device(device).type()));
 }
 
 void routing_disable() {

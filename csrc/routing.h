@@ -33,6 +33,9 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Install / remove the aten overrides. Idempotent and thread-safe.
 void routing_enable();
 void routing_disable();
+// Send SDPA calls on this device type ("xpu"; "" for none) to
+// aten::_scaled_dot_product_fused_attention_overrideable while routing is enabled.
+void set_overrideable_route(const std::string& device);
 bool routing_enabled();
 
 // Called once per distinct fallback reason (the Python side logs it at DEBUG).

@@ -6,7 +6,7 @@ scaled_dot_product_attention. `explain()` shows the same decision in words.
 """
 import torch
 
-from . import _C, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
+from . import _C, _gpu, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -23,7 +23,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     have fewer heads. Rows with nothing to attend to give 0 (as PyTorch's fused CPU kernel).
     Differentiable in query, key and value. Calls the kernels cannot take go to PyTorch;
     `flashsdpa.explain(...)` says which and why. Bad input raises ValueError naming the argument.
+    CPU tensors run the C++ kernels; xpu (and cuda) tensors the Triton kernels.
     """
+    if query.device.type in _gpu.GPU_DEVICE_TYPES:
+        return _gpu.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                     enable_gqa=enable_gqa)
 
@@ -82,6 +85,9 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     except (ValueError, TypeError, RuntimeError) as e:
         lines.append(f"  invalid arguments, the call raises: {e}")
         return "\n".join(lines)
+    if query.device.type in _gpu.GPU_DEVICE_TYPES:
+        return _explain_gpu(lines, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     reasons = _C.decline_reasons(query, key, value, attn_mask, float(dropout_p), bool(enable_gqa))
     choice = _torch_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -118,6 +124,31 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     lines.append("  ops: flashsdpa::flash_attn_fwd, backward flashsdpa::flash_attn_bwd "
                  "(blocked FA2, gradients accumulated in fp32)")
     lines.append(_routed_line(query, reasons, choice))
+    return "\n".join(lines)
+
+
+def _explain_gpu(lines, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    from ._routing import is_enabled
+    reasons = _gpu.decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if reasons:
+        lines.append("  flashsdpa declines:")
+        lines += [f"    - {r}" for r in reasons]
+        lines.append("  runs instead: torch.nn.functional.scaled_dot_product_attention")
+        return "\n".join(lines)
+    lines.append(f"  runs: flashsdpa Triton kernels on {query.device.type} (FA2 forward, dK/dV + "
+                 "dQ backward; fp32 accumulation, natural-log LSE)")
+    if dropout_p > 0:
+        lines.append(f"  with: dropout p={dropout_p} (Triton Philox keep-mask, regenerated in "
+                     "backward)")
+    if query.device.type == "xpu":
+        state = ("registered on the XPU key for the overrideable and flash SDPA ops"
+                 if _gpu.is_registered() else
+                 "flashsdpa not enabled (flashsdpa.enable() to route)")
+        lines.append(f"  F.scaled_dot_product_attention: {state}")
+    else:
+        lines.append("  F.scaled_dot_product_attention: PyTorch's own kernels (flashsdpa routes "
+                     "CPU and xpu tensors)" if is_enabled() else
+                     "  F.scaled_dot_product_attention: PyTorch's own kernels")
     return "\n".join(lines)
 
 

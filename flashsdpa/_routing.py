@@ -6,7 +6,10 @@ enable() installs C++ kernels (csrc/routing.cpp) for
     PyTorch sends to its fused CPU kernel runs flashsdpa's, under PyTorch's own checks, autograd
     formula and meta kernels (so torch.compile graphs call it too);
   * aten::scaled_dot_product_attention (CompositeImplicitAutograd): calls PyTorch would send to
-    its math path but flashsdpa fuses (dropout in training, 3-D inputs, Dv != D, 3-D masks).
+    its math path but flashsdpa fuses (dropout in training, 3-D inputs, Dv != D, 3-D masks);
+  * on the XPU key, when Triton is installed (flashsdpa/_gpu.py): the Triton kernels for
+    aten::_scaled_dot_product_fused_attention_overrideable and aten::_scaled_dot_product_flash_attention
+    (+ backwards), and xpu SDPA calls PyTorch would run on its math path go to the overrideable op.
 Everything else runs exactly what PyTorch would have run. `sdpa_kernel(...)` without
 SDPBackend.FLASH_ATTENTION keeps flashsdpa out. disable() removes the kernels again.
 
@@ -19,7 +22,7 @@ import contextlib
 import logging
 import threading
 
-from . import _C
+from . import _C, _gpu
 
 logger = logging.getLogger("flashsdpa")
 _lock = threading.RLock()
@@ -48,12 +51,14 @@ def enable():
     flashsdpa wherever it can take the call. Idempotent, thread-safe."""
     with _lock:
         _C.routing_enable()
+        _gpu.enable()
         _set_cache_tag(True)
 
 
 def disable():
     """Restore PyTorch's own SDPA kernels. Idempotent, thread-safe."""
     with _lock:
+        _gpu.disable()
         _C.routing_disable()
         _set_cache_tag(False)
 

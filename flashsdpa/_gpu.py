@@ -1,0 +1,179 @@
+"""flashsdpa on Intel GPUs (xpu) and other Triton devices: aten kernels and routing.
+
+enable() (flashsdpa/_routing.py) registers the Triton kernels on the XPU dispatch key for the
+ops PyTorch's XPU SDPA path calls:
+    aten::_scaled_dot_product_fused_attention_overrideable (+ _backward)
+    aten::_scaled_dot_product_flash_attention (+ _backward)
+PyTorch's own autograd formulas and meta kernels stay in charge (so torch.compile graphs that
+hold these aten ops call ours). The C++ override of aten::scaled_dot_product_attention also sends
+the xpu calls PyTorch would run on its math path (dropout, masks, GQA, 3-D inputs, Dv != D) to
+the overrideable op, i.e. to the Triton kernels. disable() removes all of it.
+
+Nothing here imports Triton: the kernels load on the first launch. Registration happens only
+when Triton is installed.
+"""
+import warnings
+
+import torch
+
+from . import _C, _triton
+
+GPU_DEVICE_TYPES = ("xpu", "cuda")
+
+
+def _4d(t):
+    return t.unsqueeze(0) if t is not None and t.dim() == 3 else t
+
+
+def _prepare(query, key, value, attn_bias):
+    """4-D views (3-D inputs get a batch of 1), key/value batch broadcast, heads checked."""
+    q, k, v = _4d(query), _4d(key), _4d(value)
+    if q.shape[1] % max(k.shape[1], 1) != 0:
+        raise ValueError(f"flashsdpa: query heads ({q.shape[1]}) must be a multiple of key/value "
+                         f"heads ({k.shape[1]})")
+    if k.shape[0] != q.shape[0]:
+        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    return q, k, v, attn_bias
+
+
+def _rng_tensors(rng):
+    return (torch.tensor(rng[0], dtype=torch.int64), torch.tensor(rng[1], dtype=torch.int64))
+
+
+def fused_attention_overrideable(query, key, value, attn_bias=None, dropout_p=0.0,
+                                 is_causal=False, return_debug_mask=False, *, scale=None):
+    """aten::_scaled_dot_product_fused_attention_overrideable on the Triton kernels.
+    The debug attention mask is never materialised (O(L) memory): returned undefined."""
+    q, k, v, bias = _prepare(query, key, value, attn_bias)
+    rng = _triton.new_rng_state() if dropout_p > 0 else (0, 0)
+    out = _triton.alloc_like_query(query, tuple(query.shape[:-1]) + (value.shape[-1],))
+    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng, out=_4d(out))
+    seed, offset = _rng_tensors(rng)
+    return (out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None)
+
+
+def fused_attention_overrideable_backward(grad_out, query, key, value, attn_bias, grad_input_mask,
+                                          out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                                          dropout_p, is_causal, philox_seed, philox_offset, *,
+                                          scale=None):
+    if attn_bias is not None and len(grad_input_mask) > 3 and grad_input_mask[3]:
+        raise NotImplementedError("flashsdpa: the Triton kernels do not compute the gradient of "
+                                  "attn_mask; call flashsdpa.disable() to use PyTorch's kernels")
+    dq, dk, dv = _backward(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p,
+                           is_causal, philox_seed, philox_offset, scale)
+    grad_bias = torch.empty_like(attn_bias) if attn_bias is not None else None
+    return dq, dk, dv, grad_bias
+
+
+def flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                    *, scale=None):
+    """aten::_scaled_dot_product_flash_attention on the Triton kernels."""
+    out, lse, _, _, max_q, max_k, seed, offset, _ = fused_attention_overrideable(
+        query, key, value, None, dropout_p, is_causal, return_debug_mask, scale=scale)
+    debug = torch.empty(0, dtype=query.dtype, device=query.device)
+    return out, lse, None, None, max_q, max_k, seed, offset, debug
+
+
+def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                             max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, *,
+                             scale=None):
+    return _backward(grad_out, query, key, value, None, out, logsumexp, dropout_p, is_causal,
+                     philox_seed, philox_offset, scale)
+
+
+def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p, is_causal,
+              philox_seed, philox_offset, scale):
+    q, k, v, bias = _prepare(query, key, value, attn_bias)
+    rng = (int(philox_seed), int(philox_offset)) if dropout_p > 0 else (0, 0)
+    lse = logsumexp if logsumexp.dim() == 3 else logsumexp.reshape(q.shape[:3])
+    dq, dk, dv = _triton.backward(_4d(grad_out), q, k, v, _4d(out), lse, bias, dropout_p,
+                                  is_causal, scale, rng)
+    if k.shape[0] != key.shape[0] and key.dim() == 4:  # broadcast key/value batch
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    if query.dim() == 3:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return (_like(dq, query), _like(dk, key), _like(dv, value))
+
+
+def _like(grad, t):
+    """The gradient laid out as torch.empty_like(t) (what the meta kernels promise)."""
+    if grad.stride() == torch.empty_like(t).stride():
+        return grad
+    res = torch.empty_like(t)
+    res.copy_(grad)
+    return res
+
+
+# ---- registration -----------------------------------------------------------------------------------
+KERNELS = {
+    "_scaled_dot_product_fused_attention_overrideable": fused_attention_overrideable,
+    "_scaled_dot_product_fused_attention_overrideable_backward":
+        fused_attention_overrideable_backward,
+    "_scaled_dot_product_flash_attention": flash_attention,
+    "_scaled_dot_product_flash_attention_backward": flash_attention_backward,
+}
+
+
+def register(dispatch_key="XPU", ops=None):
+    """A torch.library.Library holding the Triton kernels for `dispatch_key` on the given aten
+    ops (default: all four); destroying it (lib._destroy()) removes them. Tests register the
+    overrideable pair on the CPU key as a stand-in for XPU."""
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+        for name in (ops or KERNELS):
+            lib.impl(name, KERNELS[name], dispatch_key)
+    return lib
+
+
+_lib = None
+
+
+def enable():
+    """Register on the XPU key and route xpu SDPA calls to the overrideable op (when Triton is
+    installed; otherwise nothing changes for xpu)."""
+    global _lib
+    if _lib is not None or not _triton.available():
+        return
+    _lib = register("XPU")
+    _C.set_overrideable_route("xpu")
+
+
+def disable():
+    global _lib
+    if _lib is None:
+        return
+    _C.set_overrideable_route("")
+    _lib._destroy()
+    _lib = None
+
+
+def is_registered():
+    return _lib is not None
+
+
+# ---- the direct API on GPU tensors -------------------------------------------------------------------
+def decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa):
+    """Why the Triton path cannot take a (validated) call; [] when it can."""
+    reasons = [r for r in _C.decline_reasons(query, key, value, attn_mask, float(dropout_p),
+                                             bool(enable_gqa))
+               if not r.startswith("tensors on ") and not r.startswith("dtype ")]
+    reason = _triton.decline_reason(query, key, value, attn_mask, dropout_p)
+    return reasons + ([reason] if reason else [])
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+         enable_gqa=False):
+    """The direct API for tensors on a Triton device (validated, or passed to PyTorch with the
+    reason logged)."""
+    _C.check_sdpa_args(query, key, value, attn_mask, float(dropout_p),
+                       None if scale is None else float(scale), bool(enable_gqa))
+    reasons = decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa)
+    if reasons:
+        from ._routing import _log_fallback
+        _log_fallback(reasons[0])
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+            scale=scale, enable_gqa=enable_gqa)
+    return _triton.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                is_causal, scale, enable_gqa)

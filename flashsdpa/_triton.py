@@ -1,0 +1,313 @@
+"""The Triton path: flash attention for xpu (and cuda) tensors, forward and backward.
+
+Launchers for the kernels in kernels/ (installed as flashsdpa.kernels), the autograd function
+behind the direct API, and the kernels registered on the XPU dispatch key by enable() (see
+flashsdpa/_routing.py). Triton is imported only when a kernel is first launched: importing
+flashsdpa, or using it on CPU, never needs Triton or a GPU.
+
+Under TRITON_INTERPRET=1 the same launchers run the kernels on CPU tensors (the tests): one small
+block configuration; bf16 dots are computed from operands widened to fp32 (the interpreter's bf16
+arithmetic works on raw bits) and bf16 results are written in fp32 and rounded by PyTorch (its
+fp32 -> bf16 cast truncates).
+"""
+import importlib.util
+import math
+import os
+
+import torch
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available():
+    """Whether Triton is installed (the kernels still need a GPU, or the interpreter)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def decline_reason(query, key, value, attn_mask, dropout_p):
+    """Why the Triton kernels cannot take a (validated) call; None when they can."""
+    if not available():
+        return "Triton is not installed"
+    if query.dtype not in DTYPES:
+        return f"dtype {query.dtype} (the Triton kernels take float16, bfloat16, float32)"
+    if query.shape[-1] > MAX_HEAD_DIM or value.shape[-1] > MAX_HEAD_DIM:
+        return f"head dim above {MAX_HEAD_DIM}"
+    if dropout_p >= 1.0:
+        return "dropout_p == 1"
+    if attn_mask is not None and attn_mask.requires_grad:
+        return "attn_mask requires grad (the kernels do not differentiate the mask)"
+    return None
+
+
+# ---- launch helpers -----------------------------------------------------------------------------
+
+# Tests set this: every buffer the launchers allocate starts as NaN, so an element a kernel does
+# not write (or a padding column it reads) shows up in the result.
+POISON = False
+
+
+def _poisoned(t):
+    return t.fill_(float("nan")) if POISON and t.is_floating_point() else t
+
+
+_kernels = None
+_allocator_set = set()
+
+
+def _load_kernels(device):
+    """Import Triton and the kernels on first use; give Triton a scratch allocator for device-side
+    tensor descriptors on a real GPU."""
+    global _kernels
+    if _kernels is None:
+        from .kernels import attention_bwd, attention_fwd, configs
+        _kernels = (attention_fwd, attention_bwd, configs)
+    if device.type != "cpu" and device.type not in _allocator_set:
+        import triton
+
+        def alloc(size, alignment, stream, _dev=device.type):
+            return torch.empty(size, dtype=torch.int8, device=_dev)
+
+        triton.set_allocator(alloc)
+        _allocator_set.add(device.type)
+    return _kernels
+
+
+def _next_pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _descriptor_ready(t):
+    """A 4-D tensor a per-(batch, head) 2-D descriptor can read: unit last stride, 16-byte
+    aligned base and batch/head/row strides."""
+    es = t.element_size()
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        return False
+    if t.data_ptr() % 16 or (t.shape[2] > 1 and t.stride(2) == 0):
+        return False
+    return all(t.shape[d] <= 1 or (t.stride(d) * es) % 16 == 0 for d in range(3))
+
+
+def _for_descriptor(t):
+    """t itself when descriptor-ready, else a copy whose rows are padded to 16 bytes (a view of
+    the same shape): O(size of t), only for odd head dims or unaligned views."""
+    if _descriptor_ready(t):
+        return t
+    d = t.shape[-1]
+    per16 = 16 // t.element_size()
+    buf = _poisoned(t.new_empty(t.shape[:-1] + ((d + per16 - 1) // per16 * per16,)))
+    view = buf[..., :d]
+    view.copy_(t)
+    return view
+
+
+def _to_4d(t):
+    return t if t is None or t.dim() == 4 else t.unsqueeze(0)
+
+
+def _mask_4d(attn_mask, b, hq, lq, lk):
+    """The mask as a broadcast (zero-stride) 4-D view, plus its kind; never copied (bool is
+    reinterpreted as uint8)."""
+    if attn_mask is None:
+        return None, False
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    m = m.expand(b, hq, lq, lk)
+    is_bool = m.dtype == torch.bool
+    if is_bool:
+        m = m.view(torch.uint8)
+    return m, is_bool
+
+
+def _stride4(t):
+    return (t.stride(0), t.stride(1), t.stride(2)) if t is not None else (0, 0, 0)
+
+
+def _precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _upcast(dtype):
+    return interpreting() and dtype == torch.bfloat16
+
+
+def _result_dtype(dtype):
+    """The dtype a kernel writes: fp32 under the interpreter for bf16 (rounded by PyTorch)."""
+    return torch.float32 if _upcast(dtype) else dtype
+
+
+def alloc_like_query(query, shape, dtype=None):
+    """An output laid out like `query` (PyTorch's rule for the fused SDPA ops)."""
+    dtype = dtype or query.dtype
+    if tuple(query.shape) == tuple(shape):
+        return _poisoned(torch.empty_like(query, dtype=dtype))
+    order = sorted(range(query.dim()), key=lambda i: query.stride(i), reverse=True)
+    strides = [0] * len(shape)
+    stride = 1
+    for i in reversed(order):
+        strides[i] = stride
+        stride *= shape[i]
+    return _poisoned(torch.empty_strided(shape, strides, dtype=dtype, device=query.device))
+
+
+def _unit_last(out):
+    """`out` if its last dim has unit stride, else a contiguous buffer to write (copied back)."""
+    if out.shape[-1] <= 1 or out.stride(-1) == 1:
+        return out
+    return _poisoned(torch.empty(out.shape, dtype=out.dtype, device=out.device))
+
+
+def _finish(buf, dest):
+    """Copy a kernel's result into its destination when they differ (layout or dtype)."""
+    if buf is not dest:
+        dest.copy_(buf)
+    return dest
+
+
+def new_rng_state():
+    """(seed, offset) of a dropout keep-mask, drawn from PyTorch's default CPU generator so
+    torch.manual_seed makes runs reproducible without a device sync."""
+    seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    return seed, 0
+
+
+# ---- forward / backward -------------------------------------------------------------------------
+
+def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+            rng=(0, 0), out=None):
+    """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32).
+
+    Hq must be a multiple of Hkv (GQA). `out` may be given (any layout)."""
+    b, hq, lq, d = query.shape
+    hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if out is None:
+        out = alloc_like_query(query, (b, hq, lq, dv))
+    lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=query.device))
+    if out.numel() == 0 or lq == 0:
+        lse.zero_()
+        return out, lse
+    if lk == 0:
+        out.zero_()
+        lse.zero_()
+        return out, lse
+    fwd, _, configs = _load_kernels(query.device)
+    q, k, v = (_for_descriptor(t) for t in (query, key, value))
+    mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
+    buf = _unit_last(out)
+    if buf.dtype != _result_dtype(query.dtype):
+        buf = _poisoned(torch.empty(out.shape, dtype=_result_dtype(query.dtype),
+                                    device=out.device))
+    blocks, opts = configs.forward_config(max(d, dv))
+    grid = (triton_cdiv(lq, blocks["BLOCK_M"]), b * hq)
+    fwd.attn_fwd_kernel[grid](
+        q, k, v, mask if mask is not None else q, buf, lse,
+        *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
+        *(mask.stride() if mask is not None else (0, 0, 0, 0)),
+        *_stride4(lse)[:3],
+        hq, hkv, lq, lk, d, dv,
+        float(scale) * LOG2E, float(dropout_p), int(rng[0]), int(rng[1]),
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
+        DROPOUT=dropout_p > 0, UPCAST=_upcast(query.dtype),
+        PRECISION=_precision(query.dtype),
+        BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)),
+        **blocks, **opts)
+    return _finish(buf, out), lse
+
+
+def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
+             is_causal=False, scale=None, rng=(0, 0)):
+    """Gradients (dq, dk, dv), each laid out like its input (torch.empty_like)."""
+    b, hq, lq, d = query.shape
+    hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    dq, dk, dvv = (_poisoned(torch.empty_like(t)) for t in (query, key, value))
+    if lq == 0 or lk == 0 or b * hq == 0:
+        return dq.zero_(), dk.zero_(), dvv.zero_()
+    _, bwd, configs = _load_kernels(query.device)
+    q, k, v, do = (_for_descriptor(t) for t in (query, key, value, grad_out))
+    delta = (out.float() * grad_out.float()).sum(-1).contiguous()     # [B, Hq, Lq]
+    lse = lse.float()
+    mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
+    rdt = _result_dtype(query.dtype)
+
+    def target(t):
+        buf = _unit_last(t)
+        if buf.dtype == rdt:
+            return buf
+        return _poisoned(torch.empty(t.shape, dtype=rdt, device=t.device))
+
+    dq_buf, dk_buf, dv_buf = target(dq), target(dk), target(dvv)
+    common = dict(
+        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
+        DROPOUT=dropout_p > 0, UPCAST=_upcast(query.dtype), PRECISION=_precision(query.dtype),
+        BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)))
+    mstrides = mask.stride() if mask is not None else (0, 0, 0, 0)
+    args_in = (*_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
+               *_stride4(lse))
+    scalars = (hq, hkv, lq, lk, d, dv, float(scale) * LOG2E, float(scale), float(dropout_p),
+               int(rng[0]), int(rng[1]))
+    (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(max(d, dv))
+    mask_arg = mask if mask is not None else q
+    bwd.attn_bwd_dkdv_kernel[(triton_cdiv(lk, kv_blocks["BLOCK_N"]), b * hkv)](
+        q, k, v, mask_arg, do, lse, delta, dk_buf, dv_buf, *args_in,
+        *_stride4(dk_buf), *_stride4(dv_buf), *scalars, **common, **kv_blocks, **kv_opts)
+    bwd.attn_bwd_dq_kernel[(triton_cdiv(lq, q_blocks["BLOCK_M"]), b * hq)](
+        q, k, v, mask_arg, do, lse, delta, dq_buf, *args_in,
+        *_stride4(dq_buf), *scalars, **common, **q_blocks, **q_opts)
+    return _finish(dq_buf, dq), _finish(dk_buf, dk), _finish(dv_buf, dvv)
+
+
+def dropout_keep_mask(seed, offset, batch, heads, lq, lk, dropout_p, device="cpu"):
+    """The bool keep-mask [B, H, Lq, Lk] the kernels apply for this (seed, offset) (tests only)."""
+    fwd, _, _ = _load_kernels(torch.device(device))
+    keep = torch.empty((batch, heads, lq, lk), dtype=torch.uint8, device=device)
+    fwd.dropout_mask_kernel[(triton_cdiv(lq, 32), batch * heads)](
+        keep, lq, lk, float(dropout_p), int(seed), int(offset), BLOCK_M=32, BLOCK_N=32)
+    return keep.bool()
+
+
+def triton_cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ---- autograd (the direct API) ------------------------------------------------------------------
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale):
+        rng = new_rng_state() if dropout_p > 0 else (0, 0)
+        out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.mask, ctx.args = attn_mask, (dropout_p, is_causal, scale, rng)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        dropout_p, is_causal, scale, rng = ctx.args
+        dq, dk, dv = backward(grad_out, query, key, value, out, lse, ctx.mask, dropout_p,
+                              is_causal, scale, rng)
+        return dq, dk, dv, None, None, None, None
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """SDPA on the Triton kernels (validated arguments; 3-D or 4-D). Differentiable in query, key,
+    value."""
+    three_d = query.dim() == 3
+    q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
+    if k.shape[0] != q.shape[0]:  # broadcast key/value batch: autograd sums the gradient
+        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
+    out, _ = _Attention.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                              None if scale is None else float(scale))
+    return out.squeeze(0) if three_d else out

@@ -1,0 +1,153 @@
+"""Flash-attention backward (FA2) in Triton, no float atomics:
+
+  delta_i = sum_d dO[i,d] * O[i,d]                (computed by the launcher)
+  (Q, K, V and dO tiles come through 2-D tensor descriptors, as in the forward.)
+  dK/dV kernel, grid (cdiv(Lk, BLOCK_N), B * Hkv): one kv tile resident; loops over the query
+      heads of its GQA group and over the q tiles; recomputes P = 2^(s - lse2), applies the
+      forward's dropout keep-mask, dV += Pd^T dO, dS = P * (dP - delta), dK += dS^T Q.
+  dQ kernel, grid (cdiv(Lq, BLOCK_M), B * Hq): one q tile resident; loops over the kv tiles;
+      dQ += dS K.
+Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale).
+"""
+import triton
+import triton.language as tl
+
+from .common import dropout_keep, load_block, masked_scores, tile_desc
+
+
+@triton.jit
+def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mask_base,
+             stride_mm, stride_mn, dropout_p, seed, rng_offset,
+             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N]."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL)
+    p = tl.math.exp2(s - lse2[:, None])  # masked -> 0
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT:
+        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        pd = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+    else:
+        pd = p
+    ds = p * (dp - delta[:, None])
+    return pd, ds
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Hkv, Lq, Lk, D, DV,
+    qk_scale, sm_scale, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bhk = tl.program_id(1)
+    b = bhk // Hkv
+    hk = bhk % Hkv
+    group = Hq // Hkv
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
+    k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
+    v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    lo = 0
+    if IS_CAUSAL:  # rows before this tile's first key see none of it
+        lo = start_n // BLOCK_M * BLOCK_M
+    for g in range(0, group):
+        h = hk * group + g
+        bh = b * Hq + h
+        q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
+        do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
+                            BLOCK_DV)
+        mask_base = Mask + b * stride_mb + h * stride_mh
+        for start_m in range(lo, Lq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = load_block(q_desc, start_m, UPCAST)
+            do = load_block(do_desc, start_m, UPCAST)
+            lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
+                           mask=offs_m < Lq, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+            pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
+                              mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                              HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION)
+            dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
+            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+
+    n_ok = offs_n[:, None] < Lk
+    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok & (offs_d[None, :] < D))
+    tl.store(DV_ + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+             dv.to(DV_.dtype.element_ty), mask=n_ok & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, Mask, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm,
+    Hq, Hkv, Lq, Lk, D, DV,
+    qk_scale, sm_scale, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hkv)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
+    do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
+                        BLOCK_DV)
+    q = load_block(q_desc, start_m, UPCAST)
+    do = load_block(do_desc, start_m, UPCAST)
+    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=offs_m < Lq,
+                   other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
+    mask_base = Mask + b * stride_mb + h * stride_mh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    hi = Lk
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_block(k_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_D]
+        v = load_block(v_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_DV]
+        pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
+                          mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                          HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))

@@ -1,0 +1,95 @@
+"""Flash-attention forward (FA2) in Triton.
+
+Grid: (cdiv(Lq, BLOCK_M), B * Hq), the tile index on axis 0. One Q tile stays resident; the kv
+blocks stream through an online softmax in the log2 domain (running max m, running sum l, fp32
+accumulator, `acc = tl.dot(p, v, acc)`); the natural-log LSE is stored for the backward. The dot
+operands come through 2-D tensor descriptors (one per (batch, head) slice; out-of-range rows and
+columns read as 0, so ragged lengths need no padding). Causal is top-left aligned (PyTorch's
+rule): kv blocks right of a q tile's last row are never visited. GQA maps query head h to kv head
+h // (Hq // Hkv). Masks are read through their (possibly zero) strides. Rows with nothing to
+attend to give 0 (and LSE 0).
+"""
+import triton
+import triton.language as tl
+
+from .common import dropout_keep, load_block, masked_scores, tile_desc
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, Mask, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_lb, stride_lh, stride_lm,
+    Hq, Hkv, Lq, Lk, D, DV,
+    qk_scale, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hq
+    h = bh % Hq
+    hk = h // (Hq // Hkv)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
+    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
+    mask_base = Mask + b * stride_mb + h * stride_mh
+    q = load_block(q_desc, start_m, UPCAST)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    hi = Lk
+    if IS_CAUSAL:  # no row of this tile sees keys past its last row
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = load_block(k_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
+                          HAS_MASK, MASK_BOOL, IS_CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P = 0
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+        v = load_block(v_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_DV]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, 0.0, (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
+    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < Lq)
+
+
+@triton.jit
+def dropout_mask_kernel(Keep, Lq, Lk, dropout_p, seed, rng_offset,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keep-mask the attention kernels apply, written out as uint8 [B*H, Lq, Lk] (tests and
+    debugging only: O(L * S))."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    for start_n in range(0, Lk, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        ptrs = Keep + (bh * Lq + offs_m[:, None]).to(tl.int64) * Lk + offs_n[None, :]
+        tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))

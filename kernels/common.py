@@ -1,0 +1,57 @@
+"""Triton helpers shared by the forward and backward attention kernels.
+
+Scores are kept in the log2 domain: s = log2(e) * (scale * q.k + mask), so the softmax uses exp2.
+Masks are read through their (broadcast, possibly zero) strides, never expanded in memory.
+The dropout keep-mask comes from Triton's counter-based RNG (Philox) keyed by (seed, element
+index), so the backward regenerates it exactly.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def tile_desc(base, rows, cols, stride_r, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A 2-D tensor descriptor over one (batch, head) slice [rows, cols] with unit column stride
+    (the launcher guarantees a 16-byte aligned base and row stride). Loads outside [rows, cols]
+    read as 0, which handles ragged sequence lengths and head dims below the block width."""
+    return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[stride_r, 1],
+                                     block_shape=[BLOCK_R, BLOCK_C])
+
+
+@triton.jit
+def load_block(desc, row, UPCAST: tl.constexpr):
+    """Rows [row, row + BLOCK_R) of a descriptor; widened to fp32 when UPCAST (bf16 under the
+    interpreter, whose bf16 arithmetic works on raw bits)."""
+    tile = desc.load([row, 0])
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stride_mn,
+                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """log2-domain scores of a [BLOCK_M, BLOCK_N] tile; -inf where a key is not attended
+    (outside the sequence, masked out, or above the top-left causal diagonal)."""
+    s = s * qk_scale
+    valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq)
+    if HAS_MASK:
+        mval = tl.load(mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                       mask=valid, other=0)
+        if MASK_BOOL:
+            valid = valid & (mval != 0)
+        else:
+            s = s + mval.to(tl.float32) * 1.4426950408889634
+    if IS_CAUSAL:
+        valid = valid & (offs_n[None, :] <= offs_m[:, None])
+    return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def dropout_keep(seed, offset, bh, offs_m, offs_n, Lq, Lk, dropout_p):
+    """Keep bits of a tile: element (bh, i, j) -> Philox(seed, offset + (bh*Lq + i)*Lk + j)."""
+    idx = (bh * Lq + offs_m[:, None]).to(tl.int64) * Lk + offs_n[None, :] + offset
+    return tl.rand(seed, idx) >= dropout_p

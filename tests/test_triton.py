@@ -1,0 +1,420 @@
+"""The Triton (xpu) tier: forward and gradients of every feature against the fp64 reference, the
+aten registration and autograd route, the dispatch table.
+
+Where: on a GPU (xpu, or cuda through Triton's NVIDIA backend) when one is present; otherwise
+under the Triton interpreter (TRITON_INTERPRET=1) on CPU tensors, small shapes. The interpreter's
+bf16 arithmetic works on raw bits, so under it the kernels widen bf16 dot operands to fp32
+(UPCAST) and bf16 results are written in fp32 and rounded by PyTorch; fp16 and fp32 run the
+kernels' own dtypes. The error rule is the suite's (tests/conftest.py): within 2x PyTorch's own
+same-dtype error plus the shared ATOL. Every buffer the launchers allocate starts as NaN.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, make_qkv, reference_sdpa,
+                      torch_sdpa_same_dtype)
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("Triton is not installed", allow_module_level=True)
+
+
+def _gpu():
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return None
+
+
+GPU = _gpu()
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without a GPU
+DEVICE = "cpu" if INTERPRETER else GPU
+
+import flashsdpa  # noqa: E402
+from flashsdpa import _C, _gpu as gpu, _triton  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def poison():
+    _triton.POISON = True
+    yield
+    _triton.POISON = False
+
+
+def _dev(t):
+    return t.to(DEVICE) if t is not None else None
+
+
+def run_case(q, k, v, dtype, what, backward=True, **kw):
+    """flashsdpa's Triton path (on DEVICE) vs fp64 reference vs PyTorch's own same-dtype SDPA
+    (on CPU), forward and gradients."""
+    leaves = [_dev(t.detach()).requires_grad_(backward) for t in (q, k, v)]
+    kw_dev = dict(kw, attn_mask=_dev(kw.get("attn_mask")))
+    out = _triton.scaled_dot_product_attention(*leaves, **kw_dev)
+    ref_leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
+    ref = reference_sdpa(*ref_leaves, **kw)
+    gqa = q.dim() == 4 and k.shape[1] != q.shape[1]
+    torch_leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
+    torch_out = torch_sdpa_same_dtype(*torch_leaves, enable_gqa=gqa, **kw)
+    assert_within_rule(out.cpu(), torch_out, ref, dtype, what + " out")
+    if not backward:
+        return out
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+    out.backward(_dev(grad))
+    ref.backward(grad.double())
+    torch_out.backward(grad)
+    for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, torch_leaves, ref_leaves):
+        assert_within_rule(ours.grad.cpu(), theirs.grad, r.grad, dtype, f"{what} {name}")
+    return out
+
+
+# (B, Hq, Hkv, L, S, D, Dv, layout, extra kwargs)
+CASES = {
+    "plain": (1, 2, 2, 37, 45, 24, 24, "contiguous", {}),
+    "causal": (2, 2, 2, 45, 45, 32, 32, "contiguous", dict(is_causal=True)),
+    "causal_lq_gt_lk": (1, 2, 2, 50, 21, 16, 16, "contiguous", dict(is_causal=True)),
+    "causal_lq_lt_lk": (1, 1, 1, 19, 70, 16, 16, "contiguous", dict(is_causal=True)),
+    "gqa": (1, 4, 2, 33, 40, 16, 16, "contiguous", {}),
+    "gqa_causal_mqa": (1, 4, 1, 40, 40, 16, 16, "contiguous", dict(is_causal=True)),
+    "dv_ne_d": (1, 2, 2, 30, 36, 24, 40, "contiguous", {}),
+    "odd_head_dim": (1, 2, 2, 20, 27, 7, 5, "contiguous", {}),
+    "scale": (1, 2, 2, 33, 33, 16, 16, "contiguous", dict(scale=0.3)),
+    "permuted_blhd": (2, 2, 2, 29, 31, 16, 16, "blhd", dict(is_causal=True)),
+    "padded_view": (1, 2, 2, 26, 35, 16, 16, "padded", {}),
+    "single_row_col": (1, 2, 2, 1, 1, 16, 16, "contiguous", {}),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_gradients(case, dtype):
+    B, Hq, Hkv, L, S, D, Dv, layout, kw = CASES[case]
+    q, k, v = make_qkv(B, Hq, Hkv, L, S, D, Dv, dtype=dtype, layout=layout, seed=3)
+    run_case(q, k, v, dtype, case, **kw)
+
+
+def test_large_head_dim():
+    q, k, v = make_qkv(1, 1, 1, 20, 24, 200, 256, dtype=torch.float32, seed=4)
+    run_case(q, k, v, torch.float32, "D=200 Dv=256", is_causal=True)
+
+
+def test_three_d_inputs():
+    q, k, v = make_qkv(1, 2, 2, 21, 30, 16, dtype=torch.float16, seed=5)
+    mask = torch.randn(2, 21, 30).to(torch.float16)
+    run_case(q[0], k[0], v[0], torch.float16, "3-D + 3-D mask", attn_mask=mask)
+
+
+def test_broadcast_key_batch():
+    q, _, _ = make_qkv(3, 2, 2, 17, 19, 16, dtype=torch.float32, seed=6)
+    _, k, v = make_qkv(1, 2, 2, 17, 19, 16, dtype=torch.float32, seed=7)
+    run_case(q, k, v, torch.float32, "key/value batch 1")
+
+
+def _mask(kind, B, H, L, S, dtype, seed=11):
+    g = torch.Generator().manual_seed(seed)
+    shape = {"LS": (L, S), "B1LS": (B, 1, L, S), "1H1S": (1, H, 1, S), "BHLS": (B, H, L, S),
+             "1HLS": (1, H, L, S), "B11S": (B, 1, 1, S)}[kind]
+    if dtype == torch.bool:
+        m = torch.rand(shape, generator=g) > 0.3
+        return m
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+MASK_FORMS = ["LS", "B1LS", "1H1S", "BHLS", "1HLS", "B11S"]
+
+
+@pytest.mark.parametrize("form", MASK_FORMS)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_mask_broadcast_forms(form, kind):
+    dtype = torch.float32
+    B, H, L, S = 2, 2, 23, 37
+    q, k, v = make_qkv(B, H, H, L, S, 16, dtype=dtype, seed=8)
+    mask = _mask(form, B, H, L, S, torch.bool if kind == "bool" else dtype)
+    run_case(q, k, v, dtype, f"{kind} mask {form}", attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_mask_with_causal(dtype):
+    q, k, v = make_qkv(1, 2, 2, 30, 30, 16, dtype=dtype, seed=9)
+    run_case(q, k, v, dtype, "float mask + causal", attn_mask=_mask("B1LS", 1, 2, 30, 30, dtype),
+             is_causal=True)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_fully_masked_rows_give_zero(kind):
+    B, H, L, S = 1, 2, 20, 33
+    q, k, v = make_qkv(B, H, H, L, S, 16, dtype=torch.float32, seed=10)
+    keep = torch.rand(B, 1, L, S, generator=torch.Generator().manual_seed(1)) > 0.4
+    keep[:, :, 3] = False
+    keep[:, :, 17] = False
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    out = run_case(q, k, v, torch.float32, f"{kind} fully masked rows", attn_mask=mask)
+    assert torch.equal(out[:, :, 3].detach().cpu(), torch.zeros_like(out[:, :, 3].cpu()))
+
+
+def test_empty_sequences():
+    for L, S in ((0, 5), (5, 0)):
+        q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.float32)
+        leaves = [_dev(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+        out = _triton.scaled_dot_product_attention(*leaves)
+        assert out.shape == (1, 2, L, 16) and not torch.isnan(out).any()
+        if L == 5:
+            assert torch.equal(out.cpu(), torch.zeros_like(out.cpu()))
+        out.sum().backward()
+        for t in leaves:
+            assert t.grad.shape == t.shape and not torch.isnan(t.grad).any()
+
+
+# ---- dropout ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dropout_matches_reference_with_same_keep_mask(dtype, causal):
+    B, H, L, S, p = 1, 2, 29, 35, 0.3
+    q, k, v = make_qkv(B, H, H, L, S, 16, dtype=dtype, seed=12)
+    torch.manual_seed(2024)
+    seed, offset = _triton.new_rng_state()
+    keep = _triton.dropout_keep_mask(seed, offset, B, H, L, S, p, DEVICE).cpu()
+    torch.manual_seed(2024)  # the call below draws the same (seed, offset)
+    leaves = [_dev(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    out = _triton.scaled_dot_product_attention(*leaves, dropout_p=p, is_causal=causal)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_sdpa(*ref_leaves, is_causal=causal, keep=keep, dropout_p=p)
+    # PyTorch's own same-dtype error: the same computation with PyTorch ops in this dtype
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out = reference_sdpa(*same, is_causal=causal, keep=keep, dropout_p=p, dtype=dtype)
+    assert_within_rule(out.detach().cpu(), torch_out.detach(), ref.detach(), dtype, "dropout out")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out.backward(_dev(grad))
+    ref.backward(grad.double())
+    torch_out.backward(grad)
+    for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, same, ref_leaves):
+        assert_within_rule(ours.grad.cpu(), theirs.grad, r.grad, dtype, f"dropout {name}")
+
+
+def test_dropout_reproducible_and_fresh():
+    q, k, v = (_dev(t) for t in make_qkv(1, 2, 2, 20, 24, 16, dtype=torch.float32, seed=13))
+    torch.manual_seed(5)
+    a = _triton.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    b = _triton.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    c = _triton.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_dropout_keep_rate():
+    p = 0.25
+    keep = _triton.dropout_keep_mask(99, 0, 2, 2, 64, 64, p, DEVICE).double()
+    n = keep.numel()
+    rate = keep.mean().item()
+    assert abs(rate - (1 - p)) < 4 * ((p * (1 - p)) / n) ** 0.5, rate
+    # no structure: rows and heads are not copies of each other
+    assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0, 0], keep[0, 0, 1])
+
+
+# ---- the direct API's checks on the Triton path ---------------------------------------------------
+def test_gpu_path_validates_and_declines():
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="dropout_p"):
+        gpu.sdpa(q, k, v, dropout_p=1.5)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        gpu.sdpa(torch.randn(1, 4, 8, 16), torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
+    with pytest.raises(ValueError, match="attn_mask"):
+        gpu.sdpa(q, k, v, attn_mask=torch.ones(3, 8, 8, dtype=torch.bool))
+    assert "float64" in " ".join(gpu.decline_reasons(q.double(), k.double(), v.double(), None,
+                                                     0.0, False))
+    big = torch.randn(1, 1, 4, 300)
+    assert any("head dim" in r for r in gpu.decline_reasons(big, big, big, None, 0.0, False))
+    # declined calls still give PyTorch's answer
+    out = gpu.sdpa(q.double(), k.double(), v.double())
+    assert torch.allclose(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
+
+
+# ---- registration and the autograd route ------------------------------------------------------------
+OVERRIDEABLE = ["_scaled_dot_product_fused_attention_overrideable",
+                "_scaled_dot_product_fused_attention_overrideable_backward"]
+
+
+def _xpu_kernels(op):
+    dump = torch._C._dispatch_dump(f"aten::{op}")
+    return [line for line in dump.splitlines() if line.startswith("XPU:")]
+
+
+def test_dispatch_table_has_xpu_kernels_only_while_enabled():
+    ops = list(gpu.KERNELS)
+    assert flashsdpa.is_enabled() is False
+    before = {op: _xpu_kernels(op) for op in ops}
+    assert not any("flashsdpa" in line for lines in before.values() for line in lines)
+    flashsdpa.enable()
+    try:
+        for op in ops:
+            lines = _xpu_kernels(op)
+            assert lines and "flashsdpa" in lines[0], (op, lines)
+    finally:
+        flashsdpa.disable()
+    assert {op: _xpu_kernels(op) for op in ops} == before
+
+
+def test_import_needs_no_triton():
+    code = ("import sys, torch, flashsdpa; flashsdpa.enable();"
+            "q = torch.randn(1, 2, 16, 16); flashsdpa.scaled_dot_product_attention(q, q, q);"
+            "flashsdpa.disable(); print('triton' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+
+
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER, reason="the CPU stand-in for the XPU key runs the kernels in the interpreter")
+
+
+@pytest.fixture
+def cpu_standin():
+    """The overrideable op pair registered on the CPU key, as enable() registers it on XPU."""
+    lib = gpu.register("CPU", OVERRIDEABLE)
+    yield
+    lib._destroy()
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(_triton, name)
+
+        def wrapped(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(_triton, name, wrapped)
+    return calls
+
+
+def _overrideable(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return torch.ops.aten._scaled_dot_product_fused_attention_overrideable(
+        q, k, v, mask, dropout_p, is_causal, False, scale=scale)[0]
+
+
+def _check_against_reference(fn, dtype, spy, expect_calls=True, **kw):
+    q, k, v = make_qkv(2, 4, 2, 21, 26, 16, dtype=dtype, seed=21)
+    mask = _mask("B1LS", 2, 4, 21, 26, dtype)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, mask, **kw)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_sdpa(*ref_leaves, attn_mask=mask, **kw)
+    torch_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out = torch_sdpa_same_dtype(*torch_leaves, attn_mask=mask, enable_gqa=True, **kw)
+    assert_within_rule(out.detach(), torch_out.detach(), ref.detach(), dtype, "registered out")
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out.backward(grad)
+    ref.backward(grad.double())
+    torch_out.backward(grad)
+    for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, torch_leaves, ref_leaves):
+        assert_within_rule(ours.grad, theirs.grad, r.grad, dtype, f"registered {name}")
+    if expect_calls:
+        assert spy["forward"] >= 1 and spy["backward"] >= 1, spy
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=DTYPE_IDS.get)
+def test_registered_overrideable_eager(cpu_standin, spy, dtype):
+    _check_against_reference(_overrideable, dtype, spy, is_causal=True)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_registered_overrideable_under_compile(cpu_standin, spy, backend):
+    """torch.compile traces with PyTorch's meta kernels and autograd formula; the compiled graph
+    calls the registered kernels."""
+    torch._dynamo.reset()
+    fn = torch.compile(_overrideable, backend=backend, fullgraph=True)
+    _check_against_reference(fn, torch.float32, spy, is_causal=True)
+    torch._dynamo.reset()
+
+
+@needs_interpreter
+def test_registered_overrideable_dropout_regenerates_mask(cpu_standin):
+    q, k, v = make_qkv(1, 2, 2, 20, 24, 16, dtype=torch.float32, seed=22)
+    torch.manual_seed(11)
+    res = torch.ops.aten._scaled_dot_product_fused_attention_overrideable(q, k, v, None, 0.4,
+                                                                          False, False)
+    out, seed, offset = res[0], int(res[6]), int(res[7])
+    keep = _triton.dropout_keep_mask(seed, offset, 1, 2, 20, 24, 0.4)
+    ref = reference_sdpa(q, k, v, keep=keep, dropout_p=0.4)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    # the backward regenerates the same mask from (seed, offset)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch.manual_seed(11)
+    out2 = _overrideable(*leaves, dropout_p=0.4)
+    assert torch.equal(out2.detach(), out)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_sdpa(*ref_leaves, keep=keep, dropout_p=0.4)
+    grad = torch.randn(out.shape)
+    out2.backward(grad)
+    ref.backward(grad.double())
+    for ours, r in zip(leaves, ref_leaves):
+        assert (ours.grad.double() - r.grad).abs().max().item() < 1e-5
+
+
+@pytest.fixture
+def routed_cpu_standin(cpu_standin):
+    """enable() with the CPU key standing in for XPU: F.scaled_dot_product_attention on CPU
+    tensors takes the route xpu tensors take."""
+    flashsdpa.enable()
+    _C.set_overrideable_route("cpu")
+    yield
+    _C.set_overrideable_route("")
+    flashsdpa.disable()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kw", [dict(is_causal=True), dict(dropout_p=0.0, scale=0.2)],
+                         ids=["causal", "scale"])
+def test_f_sdpa_routes_to_triton_kernels(routed_cpu_standin, spy, kw):
+    def fn(q, k, v, mask, **kw):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, **kw)
+    _check_against_reference(fn, torch.float32, spy, **kw)
+
+
+@needs_interpreter
+def test_f_sdpa_route_under_compile(routed_cpu_standin, spy):
+    torch._dynamo.reset()
+
+    def fn(q, k, v, mask, **kw):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, **kw)
+
+    _check_against_reference(torch.compile(fn, backend="aot_eager", fullgraph=True),
+                             torch.float32, spy, is_causal=True)
+    torch._dynamo.reset()
+
+
+@needs_interpreter
+def test_f_sdpa_route_respects_sdpa_kernel_and_declines(routed_cpu_standin, spy):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k, v = make_qkv(1, 2, 2, 12, 12, 16, dtype=torch.float32)
+    with sdpa_kernel([SDPBackend.MATH]):
+        F.scaled_dot_product_attention(q, k, v)
+    assert spy["forward"] == 0
+    F.scaled_dot_product_attention(q.double(), k.double(), v.double())  # float64: PyTorch's
+    assert spy["forward"] == 0
+    F.scaled_dot_product_attention(q, k, v)
+    assert spy["forward"] == 1
+
+
+@pytest.mark.skipif(GPU != "xpu" or INTERPRETER, reason="needs an Intel GPU")
+def test_xpu_f_sdpa_runs_triton_kernels(spy):
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, dtype=torch.float16, seed=30)
+    with flashsdpa.enabled():
+        leaves = [t.to("xpu").requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, dropout_p=0.0)
+        out.sum().backward()
+    assert spy["forward"] == 1 and spy["backward"] == 1
+    ref = reference_sdpa(q, k, v, is_causal=True)
+    assert (out.detach().cpu().double() - ref).abs().max().item() < 5e-3

@@ -5,6 +5,11 @@ Providers (--providers, comma separated):
     flashsdpa@T  the same, capped at CPU tier T (portable, avx2, avx512, avx512_bf16, amx)
     torch_flash  F.scaled_dot_product_attention forced to PyTorch's flash CPU kernel
     torch_math   F.scaled_dot_product_attention forced to PyTorch's math kernel
+    torch        F.scaled_dot_product_attention with PyTorch's own choice of kernel
+    triton       flashsdpa's Triton kernels on any device (on CPU tensors only under
+                 TRITON_INTERPRET=1: a smoke test, not a benchmark)
+With --device xpu|cuda the tensors live on that GPU: flashsdpa runs its Triton kernels, the
+default providers are "flashsdpa,torch" and rates are TFLOP/s (no CPU peak is measured).
 Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache).
 
 For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
@@ -16,6 +21,7 @@ JSON and CSV (bench/results/) with the CPU model, tiers, threads and versions.
     python bench/bench_sdpa.py --mode train --dtypes bf16 --causal yes
     python bench/bench_sdpa.py --mode decode
     python bench/bench_sdpa.py --shapes 1x16x1024x64,1x16/4x1024x128   # BxH[/Hkv]xLxD
+    python bench/bench_sdpa.py --device xpu --dtypes fp16,bf16 --mode train
 """
 import argparse
 import csv
@@ -74,8 +80,19 @@ def _flashsdpa(q, k, v, causal, gqa):
     return flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
 
+def _torch_default(q, k, v, causal, gqa):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def _triton(q, k, v, causal, gqa):
+    from flashsdpa import _gpu
+    return _gpu.sdpa(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
 PROVIDERS = {
     "flashsdpa": _flashsdpa,
+    "torch": _torch_default,
+    "triton": _triton,
     "torch_flash": _torch_with(SDPBackend.FLASH_ATTENTION),
     "torch_math": _torch_with(SDPBackend.MATH),
 }
@@ -117,18 +134,28 @@ def kv_bytes(B, Hkv, S, D, dtype):
 
 
 # ---- timing ----------------------------------------------------------------------------------------
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "xpu":
+        torch.xpu.synchronize()
+
+
 def make_step(fn, q, k, v, causal, gqa, mode):
+    dev = q.device.type
     if mode != "train":
         def step():
             with torch.no_grad():
                 fn(q, k, v, causal, gqa)
+            synchronize(dev)
         return step
-    grad = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype)
+    grad = torch.randn(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device=q.device)
 
     def step():
         for t in (q, k, v):
             t.grad = None
         fn(q, k, v, causal, gqa).backward(grad)
+        synchronize(dev)
     return step
 
 
@@ -178,10 +205,15 @@ def run(args):
     if args.mode == "decode":
         causal_opts = [False]  # q_len = 1 sees the whole cache either way
     shapes = parse_shapes(args.shapes, args.mode)
+    device = args.device
+    gpu = device != "cpu"
 
-    pk = peak.measure(threads, read_mib=args.peak_read_mib) if not args.no_peak else None
+    pk = peak.measure(threads, read_mib=args.peak_read_mib) if not (args.no_peak or gpu) \
+        else None
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "gpu": gpu_name(device) if gpu else None,
         "cpu": _C.cpu_brand(),
         "machine": platform.machine(),
         "threads": threads,
@@ -202,9 +234,9 @@ def run(args):
             for causal in causal_opts:
                 Lq = 1 if args.mode == "decode" else L
                 g = torch.Generator().manual_seed(0)
-                q = torch.randn(B, Hq, Lq, D, generator=g).to(dtype)
-                k = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
-                v = torch.randn(B, Hkv, L, D, generator=g).to(dtype)
+                q = torch.randn(B, Hq, Lq, D, generator=g).to(device=device, dtype=dtype)
+                k = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
+                v = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
                 if args.mode == "train":
                     for t in (q, k, v):
                         t.requires_grad_(True)
@@ -213,7 +245,7 @@ def run(args):
                          for p in providers}
                 samples = time_case(steps, args.repeats)
                 case_pk = pk
-                if args.mode == "decode" and pk:
+                if args.mode == "decode" and pk and not gpu:
                     # memory bandwidth on a shared machine drifts: probe it again next to each
                     # decode case and use the median of all probes so far
                     read_probes.append(peak.measure_read(threads, args.peak_read_mib))
@@ -227,6 +259,13 @@ def run(args):
     return finish_meta(meta, read_probes), rows
 
 
+def gpu_name(device):
+    try:
+        return getattr(torch, device).get_device_name(0)
+    except Exception:  # noqa: BLE001  (a name is only informative)
+        return device
+
+
 def finish_meta(meta, read_probes):
     """Decode mode: the read bandwidth reported is the median of the probes taken next to the
     cases (each case's fraction used the median of the probes up to it)."""
@@ -236,8 +275,15 @@ def finish_meta(meta, read_probes):
     return meta
 
 
+def baseline_of(providers):
+    """The provider speedups are measured against: PyTorch's flash CPU kernel, or on a GPU
+    PyTorch's own SDPA choice."""
+    return next((p for p in ("torch_flash", "torch") if p in providers), None)
+
+
 def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
-    base = statistics.median(samples["torch_flash"]) if "torch_flash" in samples else None
+    base_name = baseline_of(samples)
+    base = statistics.median(samples[base_name]) if base_name else None
     out = []
     for name, ts in samples.items():
         med = statistics.median(ts)
@@ -247,7 +293,7 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
             "mode": mode, "provider": name, "B": B, "Hq": Hq, "Hkv": Hkv, "Lq": Lq, "S": S, "D": D,
             "dtype": str(dtype).replace("torch.", ""), "causal": causal,
             "ms": med * 1e3, "ms_p20": q20 * 1e3, "ms_p80": q80 * 1e3,
-            "speedup_vs_torch_flash": (base / med) if base else None,
+            f"speedup_vs_{base_name or 'torch_flash'}": (base / med) if base else None,
         }
         if mode == "decode":
             gbs = kv_bytes(B, Hkv, S, D, dtype) / med * 1e-9
@@ -256,6 +302,7 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
         else:
             gf = flops(B, Hq, Lq, S, D, causal, mode) / med * 1e-9
             row["GFLOP/s"] = gf
+            row["TFLOP/s"] = gf * 1e-3
             row["frac_peak"] = gf / pk["fma_peak_gflops"] if pk else None
         out.append(row)
     return out
@@ -269,13 +316,15 @@ def geomean(xs):
 
 def markdown(meta, rows):
     mode = meta["mode"]
-    rate = "GB/s" if mode == "decode" else "GFLOP/s"
+    gpu = meta.get("device", "cpu") != "cpu"
+    rate = "GB/s" if mode == "decode" else ("TFLOP/s" if gpu else "GFLOP/s")
     providers = list(dict.fromkeys(r["provider"] for r in rows))
+    base_name = baseline_of(providers)
     head = ["shape (B,H/Hkv,L,S,D)", "dtype", "causal"]
     for p in providers:
         head += [f"{p} ms", f"{p} {rate}"]
-    if "torch_flash" in providers:
-        head += [f"{p} vs torch_flash" for p in providers if p != "torch_flash"]
+    if base_name:
+        head += [f"{p} vs {base_name}" for p in providers if p != base_name]
     head.append("flashsdpa % peak" if "flashsdpa" in providers else "% peak")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cases = {}
@@ -290,11 +339,11 @@ def markdown(meta, rows):
         for p in providers:
             r = by_p.get(p)
             cells += [f"{r['ms']:.2f}", f"{r[rate]:.1f}"] if r else ["-", "-"]
-        if "torch_flash" in providers:
+        if base_name:
             for p in providers:
-                if p == "torch_flash":
+                if p == base_name:
                     continue
-                s = by_p.get(p, {}).get("speedup_vs_torch_flash")
+                s = by_p.get(p, {}).get(f"speedup_vs_{base_name}")
                 cells.append(f"{s:.2f}x" if s else "-")
                 if s:
                     speedups.setdefault((p, dt, causal), []).append(s)
@@ -305,7 +354,7 @@ def markdown(meta, rows):
         lines.append("| " + " | ".join(cells) + " |")
     summary = []
     for (p, dt, causal), ss in sorted(speedups.items(), key=str):
-        summary.append(f"{p} vs torch_flash, {dt}, {'causal' if causal else 'non-causal'}: "
+        summary.append(f"{p} vs {base_name}, {dt}, {'causal' if causal else 'non-causal'}: "
                        f"geomean {geomean(ss):.2f}x, min {min(ss):.2f}x over {len(ss)} shapes")
     pk = meta.get("peak")
     peak_line = (f"machine peak (bench/peak.py, {pk['threads']} threads): FMA "
@@ -313,7 +362,8 @@ def markdown(meta, rows):
                  f"{pk['read_gbs']:.1f} GB/s"
                  + (" (median of probes next to the cases)" if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"
-    header = (f"{mode} | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
+    where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]
+    header = (f"{mode} | {where} | {meta['threads']} threads | torch {meta['torch']} | "
               f"flashsdpa tiers: " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()))
     return "\n".join([header, peak_line, ""] + lines + [""] + summary)
 
@@ -326,7 +376,8 @@ def write_outputs(meta, rows, out_dir, tag):
     with open(base + ".csv", "w", newline="") as f:
         fields = list(rows[0].keys()) if rows else []
         fields = list(dict.fromkeys(fields + ["GFLOP/s", "GB/s"]))
-        w = csv.DictWriter(f, fieldnames=fields + ["cpu", "threads", "torch", "tier"])
+        w = csv.DictWriter(f, fieldnames=fields + ["cpu", "threads", "torch", "tier"],
+                           extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(dict(r, cpu=meta["cpu"], threads=meta["threads"], torch=meta["torch"],
@@ -340,7 +391,9 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--mode", choices=["fwd", "train", "decode"], default="fwd")
-    ap.add_argument("--providers", default="flashsdpa,torch_flash")
+    ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
+    ap.add_argument("--providers", default=None,
+                    help="default: flashsdpa,torch_flash (cpu) or flashsdpa,torch (GPU)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--shapes", default="suite", help="suite, tiny, or BxH[/Hkv]xLxD,...")
@@ -352,6 +405,10 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
+    if args.providers is None:
+        args.providers = "flashsdpa,torch_flash" if args.device == "cpu" else "flashsdpa,torch"
+    if args.device != "cpu" and not getattr(torch, args.device).is_available():
+        raise SystemExit(f"--device {args.device}: no such device available to PyTorch")
     meta, rows = run(args)
     path = write_outputs(meta, rows, args.out_dir, args.tag or args.mode)
     print(markdown(meta, rows))

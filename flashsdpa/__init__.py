@@ -27,3 +27,5 @@ __all__ = [
 ]
 
 _configure_from_env()
+if __import__("os").environ.get("FLASHSDPA_AUTOLOAD", "").strip() == "1":
+    enable()  # also when flashsdpa is imported before torch (see flashsdpa_autoload.py)

@@ -73,6 +73,9 @@ def report():
     lines.append("")
     lines.append(f"Triton: {_triton_status()}")
     lines.append(f"XPU: {_xpu_status()}")
+    from . import _gpu
+    lines.append("Triton kernels on the XPU key: "
+                 + ("registered" if _gpu.is_registered() else "not registered (enable())"))
     lines.append(f"routing enabled: {flashsdpa.is_enabled()}")
     return "\n".join(lines)
 

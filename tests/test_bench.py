@@ -44,3 +44,30 @@ def test_bench_tiny_run(tmp_path, mode):
     assert rep.returncode == 0, rep.stderr
     text = readme.read_text()
     assert "old" not in text and "rest" in text and "| shape" in text
+
+
+@pytest.mark.parametrize("mode", ["fwd", "train"])
+def test_bench_triton_provider_under_interpreter(tmp_path, mode):
+    """The GPU bench's providers (flashsdpa's Triton kernels against PyTorch's own choice), run on
+    CPU tensors through the Triton interpreter: checks the script, not the speed."""
+    pytest.importorskip("triton")
+    cmd = [sys.executable, os.path.join(BENCH, "bench_sdpa.py"), "--mode", mode, "--shapes",
+           "1x2x32x16", "--repeats", "1", "--providers", "triton,torch", "--dtypes", "fp16",
+           "--out-dir", str(tmp_path), "--no-peak"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert res.returncode == 0, res.stderr
+    assert "triton vs torch" in res.stdout
+    rows = json.loads((tmp_path / f"{mode}.json").read_text())["rows"]
+    assert {r["provider"] for r in rows} == {"triton", "torch"}
+    assert all(r["speedup_vs_torch"] > 0 for r in rows if r["provider"] == "triton")
+
+
+def test_bench_gpu_device_needs_a_gpu(tmp_path):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_sdpa.py"), "--device",
+                          "cuda", "--shapes", "tiny", "--out-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "no such device" in res.stderr

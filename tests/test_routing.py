@@ -348,6 +348,17 @@ def test_autoload(value, expected):
     assert res.stdout.strip() == expected
 
 
+def test_autoload_when_flashsdpa_is_imported_before_torch():
+    """`import flashsdpa` imports torch, whose autoload hook then finds flashsdpa half-imported:
+    the package enables itself once its import completes."""
+    env = dict(os.environ, FLASHSDPA_AUTOLOAD="1")
+    code = "import flashsdpa; print(flashsdpa.is_enabled())"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "True"
+
+
 def test_compile_after_disable_is_pytorch_again():
     """The routing state is part of the compile cache key: a graph traced while enabled (holding
     flashsdpa's op) is never reused once disabled, even from Inductor's on-disk caches."""

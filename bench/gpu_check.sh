@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One command for a machine with a GPU (Intel xpu, or NVIDIA cuda through Triton's NVIDIA
+# backend): builds flashsdpa (no emulated CPU tiers), prints the device, runs the Triton tier's
+# tests natively on the GPU (tests/test_triton.py picks the GPU when PyTorch sees one), then
+# benchmarks the Triton kernels against PyTorch's own SDPA on that device (forward, and
+# forward+backward) in one process. Target: under 8 minutes. Results: bench/results/gpu_*.json.
+#
+#   bench/gpu_check.sh            # device picked automatically (xpu first, then cuda)
+#   DEVICE=cuda bench/gpu_check.sh
+# The Python environment must have a PyTorch build for the device (PY=/path/to/python to pick
+# one; default .venv/bin/python after `make build`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export FLASHSDPA_NO_EMULATED=1
+PY=${PY:-.venv/bin/python}
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  if [ "$PY" = .venv/bin/python ]; then make build >/dev/null
+  else $PY -m pip install --quiet --no-build-isolation --no-deps -e . ; fi
+fi
+DEVICE=${DEVICE:-$($PY -c "import torch; print('xpu' if hasattr(torch, 'xpu') and torch.xpu.is_available() else 'cuda' if torch.cuda.is_available() else '')")}
+if [ -z "$DEVICE" ]; then echo "gpu_check: PyTorch sees no xpu or cuda device" >&2; exit 2; fi
+unset TRITON_INTERPRET
+$PY -c "import torch, triton; d=getattr(torch, '$DEVICE'); print('device:', d.get_device_name(0), '| torch', torch.__version__, '| triton', triton.__version__)"
+lscpu 2>/dev/null | grep -iE "model name" || true
+
+echo; echo "== Triton tier tests on $DEVICE"
+timeout 300 $PY -m pytest -q -x -p no:cacheprovider tests/test_triton.py
+
+echo; echo "== bench on $DEVICE (Triton kernels vs PyTorch's SDPA)"
+SHAPES=4x16x1024x64,2x16x2048x128,1x32/8x4096x128,8x16x512x256
+timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode fwd --dtypes fp16,bf16 \
+  --shapes "$SHAPES" --repeats 5 --tag gpu_fwd
+timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode train --dtypes fp16,bf16 \
+  --causal yes --shapes "$SHAPES" --repeats 5 --tag gpu_train

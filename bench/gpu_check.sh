@@ -11,14 +11,15 @@
 # one; default .venv/bin/python after `make build`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export FLASHSDPA_NO_EMULATED=1
 PY=${PY:-.venv/bin/python}
+if [ "$PY" = .venv/bin/python ]; then make deps >/dev/null; fi
+DEVICE=${DEVICE:-$($PY -c "import torch; print('xpu' if hasattr(torch, 'xpu') and torch.xpu.is_available() else 'cuda' if torch.cuda.is_available() else '')")}
+if [ -z "$DEVICE" ]; then echo "gpu_check: PyTorch sees no xpu or cuda device" >&2; exit 2; fi
+export FLASHSDPA_NO_EMULATED=1   # emulated CPU tiers are not needed here
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
   if [ "$PY" = .venv/bin/python ]; then make build >/dev/null
   else $PY -m pip install --quiet --no-build-isolation --no-deps -e . ; fi
 fi
-DEVICE=${DEVICE:-$($PY -c "import torch; print('xpu' if hasattr(torch, 'xpu') and torch.xpu.is_available() else 'cuda' if torch.cuda.is_available() else '')")}
-if [ -z "$DEVICE" ]; then echo "gpu_check: PyTorch sees no xpu or cuda device" >&2; exit 2; fi
 unset TRITON_INTERPRET
 $PY -c "import torch, triton; d=getattr(torch, '$DEVICE'); print('device:', d.get_device_name(0), '| torch', torch.__version__, '| triton', triton.__version__)"
 lscpu 2>/dev/null | grep -iE "model name" || true

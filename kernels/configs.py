@@ -1,11 +1,20 @@
 """Launch configurations per device kind.
 
 Intel GPUs (the xpu backend) run 16 threads per warp and like large Q tiles, more warps and the
-large register file (`grf_mode='256'`, an option only the xpu backend accepts); NVIDIA GPUs run
-the classic flash-attention shapes; the interpreter (TRITON_INTERPRET=1, tests on CPU tensors)
-gets one small config (autotuning would need a GPU driver).
+large register file (`grf_mode='256'`, an option only the xpu backend accepts: the CUDA backend
+raises on it); NVIDIA GPUs run the classic flash-attention shapes; the interpreter
+(TRITON_INTERPRET=1, tests on CPU tensors) gets one small config (autotuning would need a GPU
+driver).
+
+FLASHSDPA_TRITON_FWD / FLASHSDPA_TRITON_BWD_KV / FLASHSDPA_TRITON_BWD_Q override a kernel's
+configuration for experiments and tuning sweeps, e.g. "BLOCK_M=256,BLOCK_N=32,num_warps=32".
+The kernels are correct for any power-of-two blocks (>= 16 on a GPU), with BLOCK_M and BLOCK_N
+independent (the dK/dV and dQ kernels share nothing).
 """
 import os
+
+_INT_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+_BLOCK_KEYS = {"BLOCK_M", "BLOCK_N"}
 
 
 def interpreting():
@@ -13,39 +22,86 @@ def interpreting():
 
 
 def _backend():
-    """'xpu', 'cuda' or 'interpreter', without touching the GPU driver at import time."""
+    """'xpu', 'cuda', 'hip' or 'interpreter'; asks the driver only when a kernel is launched."""
     if interpreting():
         return "interpreter"
     import triton
     try:
         return triton.runtime.driver.active.get_current_target().backend
-    except Exception:  # no driver: the caller only asks when a GPU tensor is at hand
+    except Exception:  # noqa: BLE001  (no driver: the launcher is only reached with a GPU tensor)
         return "unknown"
 
 
+def parse_override(name, backend=None):
+    """(blocks, options) from the environment variable `name`, or None when unset. Raises
+    ValueError naming the variable on a malformed value."""
+    spec = os.environ.get(name, "").strip()
+    if not spec:
+        return None
+    blocks, opts = {}, {}
+    for item in spec.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ValueError(f"{name}: expected key=value items, got {item!r}")
+        if key in _INT_KEYS:
+            try:
+                number = int(value)
+            except ValueError:
+                raise ValueError(f"{name}: {key} must be an integer, got {value!r}") from None
+            if key in _BLOCK_KEYS and (number < 1 or number & (number - 1)):
+                raise ValueError(f"{name}: {key} must be a power of two, got {number}")
+            (blocks if key in _BLOCK_KEYS else opts)[key] = number
+        elif key == "grf_mode":
+            if (backend or _backend()) == "xpu":
+                opts[key] = value
+        else:
+            raise ValueError(f"{name}: unknown key {key!r} (BLOCK_M, BLOCK_N, num_warps, "
+                             "num_stages, grf_mode)")
+    return blocks, opts
+
+
+def _with_override(name, blocks, opts, backend):
+    override = parse_override(name, backend)
+    if override is None:
+        return blocks, opts
+    return dict(blocks, **override[0]), dict(opts, **override[1])
+
+
 def forward_config(head_dim):
+    """(blocks, launch options) of the forward kernel for the larger of D and Dv."""
     backend = _backend()
     if backend == "interpreter":
-        return dict(BLOCK_M=32, BLOCK_N=32), {}
-    if backend == "xpu":
+        blocks, opts = dict(BLOCK_M=32, BLOCK_N=32), {}
+    elif backend == "xpu":
+        if head_dim <= 64:
+            blocks, warps = dict(BLOCK_M=128, BLOCK_N=64), 8
+        elif head_dim <= 128:
+            blocks, warps = dict(BLOCK_M=128, BLOCK_N=64), 16
+        else:
+            blocks, warps = dict(BLOCK_M=128, BLOCK_N=32), 16
+        opts = dict(num_warps=warps, num_stages=2, grf_mode="256")
+    else:
         big = head_dim > 128
-        return (dict(BLOCK_M=64 if big else 128, BLOCK_N=32 if big else 64),
-                dict(num_warps=8 if big else 16, num_stages=2, grf_mode="256"))
-    return (dict(BLOCK_M=64 if head_dim > 128 else 128, BLOCK_N=32 if head_dim > 128 else 64),
-            dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2))
+        blocks = dict(BLOCK_M=64 if big else 128, BLOCK_N=32 if big else 64)
+        opts = dict(num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+    return _with_override("FLASHSDPA_TRITON_FWD", blocks, opts, backend)
 
 
 def backward_config(head_dim):
-    """(dK/dV kernel, dQ kernel) configurations."""
+    """((blocks, options) of the dK/dV kernel, (blocks, options) of the dQ kernel)."""
     backend = _backend()
     if backend == "interpreter":
-        cfg = dict(BLOCK_M=32, BLOCK_N=32)
-        return (cfg, {}), (cfg, {})
-    small = head_dim <= 64
-    if backend == "xpu":
-        opts = dict(num_warps=8, num_stages=2, grf_mode="256")
-        return (dict(BLOCK_M=32, BLOCK_N=64 if small else 32), opts), \
-            (dict(BLOCK_M=64 if small else 32, BLOCK_N=32), opts)
-    opts = dict(num_warps=4 if small else 8, num_stages=2)
-    return (dict(BLOCK_M=32, BLOCK_N=64 if small else 32), opts), \
-        (dict(BLOCK_M=64 if small else 32, BLOCK_N=32), opts)
+        kv = q = (dict(BLOCK_M=32, BLOCK_N=32), {})
+    else:
+        small = head_dim <= 64
+        if backend == "xpu":
+            opts = dict(num_warps=8 if small else 16, num_stages=2, grf_mode="256")
+            kv = (dict(BLOCK_M=32, BLOCK_N=128 if small else 64), opts)
+            q = (dict(BLOCK_M=128 if small else 64, BLOCK_N=64 if small else 32), opts)
+        else:
+            opts = dict(num_warps=4 if small else 8, num_stages=2)
+            kv = (dict(BLOCK_M=32, BLOCK_N=64 if small else 32), opts)
+            q = (dict(BLOCK_M=64 if small else 32, BLOCK_N=32), opts)
+    return (_with_override("FLASHSDPA_TRITON_BWD_KV", *kv, backend),
+            _with_override("FLASHSDPA_TRITON_BWD_Q", *q, backend))

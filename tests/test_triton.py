@@ -418,3 +418,30 @@ def test_xpu_f_sdpa_runs_triton_kernels(spy):
     assert spy["forward"] == 1 and spy["backward"] == 1
     ref = reference_sdpa(q, k, v, is_causal=True)
     assert (out.detach().cpu().double() - ref).abs().max().item() < 5e-3
+
+
+# ---- block configurations ----------------------------------------------------------------------------
+@pytest.mark.parametrize("blocks", ["BLOCK_M=16,BLOCK_N=64", "BLOCK_M=64,BLOCK_N=16"])
+def test_other_block_shapes(monkeypatch, blocks):
+    """The kernels are correct for unequal tiles (causal limits, masks, GQA, ragged edges)."""
+    for var in ("FLASHSDPA_TRITON_FWD", "FLASHSDPA_TRITON_BWD_KV", "FLASHSDPA_TRITON_BWD_Q"):
+        monkeypatch.setenv(var, blocks)
+    q, k, v = make_qkv(1, 4, 2, 70, 53, 16, dtype=torch.float32, seed=40)
+    mask = _mask("B1LS", 1, 4, 70, 53, torch.bool)
+    run_case(q, k, v, torch.float32, f"{blocks} causal+mask", attn_mask=mask, is_causal=True)
+
+
+def test_config_override_parsing(monkeypatch):
+    from flashsdpa.kernels import configs
+    monkeypatch.setenv("FLASHSDPA_TRITON_FWD", "BLOCK_M=256, BLOCK_N=32,num_warps=32,grf_mode=256")
+    assert configs.parse_override("FLASHSDPA_TRITON_FWD", "xpu") == (
+        dict(BLOCK_M=256, BLOCK_N=32), dict(num_warps=32, grf_mode="256"))
+    # grf_mode is an xpu-only option: dropped elsewhere
+    assert configs.parse_override("FLASHSDPA_TRITON_FWD", "cuda")[1] == dict(num_warps=32)
+    for bad, msg in (("BLOCK_M=48", "power of two"), ("BLOCK_M", "key=value"),
+                     ("warps=4", "unknown key"), ("num_warps=x", "integer")):
+        monkeypatch.setenv("FLASHSDPA_TRITON_FWD", bad)
+        with pytest.raises(ValueError, match="FLASHSDPA_TRITON_FWD.*" + msg):
+            configs.parse_override("FLASHSDPA_TRITON_FWD", "xpu")
+    monkeypatch.delenv("FLASHSDPA_TRITON_FWD")
+    assert configs.parse_override("FLASHSDPA_TRITON_FWD") is None

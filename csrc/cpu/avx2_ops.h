@@ -381,9 +381,13 @@ struct Avx2Ops : GenericOps {
   // One row: 64 output dims in 8 registers while the keys stream past. Several rows (GQA folded
   // into rows, or q_len > 1): up to 6 rows x 16 dims in 12 registers, so each V chunk is
   // loaded and widened once for all of them.
+  // With `prefetch`, the loop also prefetches the cache line of row j + nk (the same row of the
+  // next block) that this 16-dim chunk covers: over all chunks, the next block's whole rows,
+  // one line per key, spread across the compute and a full block ahead (a chunk pass takes only
+  // a few cycles per key, so a distance counted in keys of one pass would not hide DRAM latency).
   template <class T, int R>
   static inline void pv_rows16(const T* v, int64_t ldv, int nk, const float* p, int ldp,
-                               float* acc, int ldacc, int d0) {
+                               float* acc, int ldacc, int d0, bool prefetch) {
     __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
     __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
            c41 = c01, c50 = c00, c51 = c01;
@@ -394,8 +398,11 @@ struct Avx2Ops : GenericOps {
   }
     FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
 #undef FLASHSDPA_LD
+    const bool pf = prefetch && ((int64_t(d0) * int64_t(sizeof(T))) & 63) == 0;
     for (int j = 0; j < nk; ++j) {
       const T* vj = v + j * ldv + d0;
+      if (pf)
+        _mm_prefetch(reinterpret_cast<const char*>(vj + nk * ldv), _MM_HINT_T1);
       const __m256 v0 = load8(vj), v1 = load8(vj + 8);
 #define FLASHSDPA_ROW(i)                                                          \
   if (R > i) {                                                                   \
@@ -445,16 +452,15 @@ struct Avx2Ops : GenericOps {
       const int R = M - r < 6 ? M - r : 6;
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
+      const bool pf = r == 0;
       for (int d0 = d64; d0 < d16; d0 += 16) {
-        if (r == 0 && d0 == d64)
-          for (int j = 0; j < nk; ++j) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
         switch (R) {
-          case 6: pv_rows16<T, 6>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
-          case 5: pv_rows16<T, 5>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
-          case 4: pv_rows16<T, 4>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
-          case 3: pv_rows16<T, 3>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
-          case 2: pv_rows16<T, 2>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
-          default: pv_rows16<T, 1>(v, ldv, nk, pr, ldp, ar, ldacc, d0); break;
+          case 6: pv_rows16<T, 6>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
+          case 5: pv_rows16<T, 5>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
+          case 4: pv_rows16<T, 4>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
+          case 3: pv_rows16<T, 3>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
+          case 2: pv_rows16<T, 2>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
+          default: pv_rows16<T, 1>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
         }
       }
       if (d16 < Dv)  // the last dims, fewer than 16

@@ -1,0 +1,78 @@
+"""Compile the Triton kernels ahead of time for an NVIDIA target, without a GPU.
+
+The interpreter (the rest of test_triton.py) checks what the kernels compute; this checks that
+they go through Triton's real compiler - front end, layouts, tensor-descriptor lowering, ptxas -
+for the block configurations the launchers use, something the interpreter never exercises.
+Run by tests/test_triton.py in a subprocess (the interpreter must be off when Triton is first
+imported):   python tests/triton_aot_check.py 90
+"""
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashsdpa.kernels import attention_bwd, attention_fwd, configs  # noqa: E402
+
+PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
+            "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "Keep": "u8"}
+FLOATS = {"qk_scale", "sm_scale", "dropout_p"}
+I64 = {"seed", "rng_offset"}
+
+
+def signature(fn, dtype, mask_dtype, consts):
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in PTR_ELEM:
+            elem = PTR_ELEM[name]
+            sig[name] = "*" + {"T": dtype, "M": mask_dtype}.get(elem, elem)
+        elif name in FLOATS:
+            sig[name] = "fp32"
+        elif name in I64:
+            sig[name] = "i64"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_kernel(fn, dtype, mask_dtype, consts, opts, target):
+    src = ASTSource(fn, signature(fn, dtype, mask_dtype, consts), constexprs=consts)
+    opts = {k: v for k, v in opts.items() if k != "grf_mode"}
+    return triton.compile(src, target=target, options=opts)
+
+
+# (dtype, head dim, mask dtype, causal, dropout)
+CASES = [("fp16", 64, "fp16", True, True), ("bf16", 128, "u8", False, False),
+         ("fp32", 64, "fp32", True, False)]
+
+
+def main(arch):
+    target = GPUTarget("cuda", arch, 32)
+    for dtype, d, mask_dtype, causal, dropout in CASES:
+        common = dict(HAS_MASK=True, MASK_BOOL=mask_dtype == "u8", IS_CAUSAL=causal,
+                      DROPOUT=dropout, UPCAST=False,
+                      PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_D=d, BLOCK_DV=d)
+        fwd_blocks, fwd_opts = configs.forward_config(d)
+        (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(d)
+        compile_kernel(attention_fwd.attn_fwd_kernel, dtype, mask_dtype,
+                       dict(common, **fwd_blocks), fwd_opts, target)
+        compile_kernel(attention_bwd.attn_bwd_dkdv_kernel, dtype, mask_dtype,
+                       dict(common, **kv_blocks), kv_opts, target)
+        compile_kernel(attention_bwd.attn_bwd_dq_kernel, dtype, mask_dtype,
+                       dict(common, **q_blocks), q_opts, target)
+        print(f"sm_{arch} {dtype} D={d}: forward, dK/dV, dQ compiled", flush=True)
+    # the xpu block shapes (BLOCK_M 128, 16 warps) through the same front end
+    compile_kernel(attention_fwd.attn_fwd_kernel, "fp16", "fp16",
+                   dict(HAS_MASK=False, MASK_BOOL=False, IS_CAUSAL=True, DROPOUT=False,
+                        UPCAST=False, PRECISION="tf32", BLOCK_D=128, BLOCK_DV=128,
+                        BLOCK_M=128, BLOCK_N=64), dict(num_warps=16, num_stages=2), target)
+    print(f"sm_{arch} xpu-shaped forward compiled")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)

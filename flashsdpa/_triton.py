@@ -279,25 +279,61 @@ def triton_cdiv(a, b):
     return (a + b - 1) // b
 
 
-# ---- autograd (the direct API) ------------------------------------------------------------------
+# ---- ops + autograd (the direct API) --------------------------------------------------------------
+# Custom ops, so torch.compile treats each kernel launch as one opaque node (with the fake kernels
+# below) instead of tracing into the launchers; the dropout seed is drawn inside the forward op at
+# run time, so compiled graphs draw a fresh keep-mask per call.
+from typing import Optional  # noqa: E402
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, query, key, value, attn_mask, dropout_p, is_causal, scale):
-        rng = new_rng_state() if dropout_p > 0 else (0, 0)
-        out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.mask, ctx.args = attn_mask, (dropout_p, is_causal, scale, rng)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out, _grad_lse):
-        query, key, value, out, lse = ctx.saved_tensors
-        dropout_p, is_causal, scale, rng = ctx.args
-        dq, dk, dv = backward(grad_out, query, key, value, out, lse, ctx.mask, dropout_p,
-                              is_causal, scale, rng)
-        return dq, dk, dv, None, None, None, None
+@torch.library.custom_op("flashsdpa::triton_attn_fwd", mutates_args=())
+def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
+            scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = new_rng_state() if dropout_p > 0 else (0, 0)
+    out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng)
+    return out, lse, torch.tensor(rng, dtype=torch.int64)
+
+
+@_fwd_op.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    b, hq, lq = query.shape[:3]
+    out = alloc_like_query(query, (b, hq, lq, value.shape[3]))
+    lse = query.new_empty((b, hq, lq), dtype=torch.float32)
+    return out, lse, torch.empty(2, dtype=torch.int64)
+
+
+@torch.library.custom_op("flashsdpa::triton_attn_bwd", mutates_args=())
+def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor,
+            attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
+            scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = tuple(int(x) for x in rng_state.tolist())
+    return backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
+                    scale, rng)
+
+
+@_bwd_op.register_fake
+def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, scale = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(query, key, value, out, lse, rng_state)
+    ctx.mask, ctx.args = attn_mask, (dropout_p, is_causal, scale)
+    ctx.mark_non_differentiable(lse, rng_state)
+
+
+def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
+    query, key, value, out, lse, rng_state = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(grad_out.contiguous() if grad_out.stride(-1) == 0 else grad_out,
+                         query, key, value, out, lse, rng_state, ctx.mask, *ctx.args)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -308,6 +344,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
     if k.shape[0] != q.shape[0]:  # broadcast key/value batch: autograd sums the gradient
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
-    out, _ = _Attention.apply(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
-                              None if scale is None else float(scale))
+    out = _fwd_op(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+                  None if scale is None else float(scale))[0]
     return out.squeeze(0) if three_d else out

@@ -457,3 +457,46 @@ def test_kernels_compile_for_nvidia_targets(arch):
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("compiled") == 4, res.stdout
+
+
+# ---- the direct API's ops under torch.compile --------------------------------------------------------
+def test_triton_ops_opcheck():
+    q, k, v = (_dev(t) for t in make_qkv(1, 4, 2, 20, 24, 16, dtype=torch.float32, seed=50))
+    mask = _dev(_mask("B1LS", 1, 4, 20, 24, torch.bool))
+    for t in (q, k, v):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None))
+    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
+            mask, 0.0, True, None)
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_direct_api_under_compile(backend):
+    """torch.compile(fullgraph=True) keeps each Triton launch as one opaque op (fake kernels for
+    tracing); forward and gradients match eager, and dropout draws fresh masks per call."""
+    torch._dynamo.reset()
+    q, k, v = make_qkv(1, 4, 2, 21, 26, 16, dtype=torch.float32, seed=51)
+    mask = _mask("B1LS", 1, 4, 21, 26, torch.float32)
+
+    def fn(q, k, v, p=0.0):
+        return _triton.scaled_dot_product_attention(q, k, v, _dev(mask), dropout_p=p,
+                                                    is_causal=True)
+
+    compiled = torch.compile(fn, backend=backend, fullgraph=True)
+    eager_leaves = [_dev(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    comp_leaves = [_dev(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+    ref = fn(*eager_leaves)
+    out = compiled(*comp_leaves)
+    assert torch.allclose(out, ref, atol=1e-6, rtol=1e-5)
+    grad = torch.randn_like(out)
+    ref.backward(grad)
+    out.backward(grad)
+    for a, b in zip(comp_leaves, eager_leaves):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        d1 = compiled(*(_dev(t) for t in (q, k, v)), p=0.5)
+        d2 = compiled(*(_dev(t) for t in (q, k, v)), p=0.5)
+    assert not torch.equal(d1, d2)
+    torch._dynamo.reset()

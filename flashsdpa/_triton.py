@@ -27,7 +27,10 @@ def interpreting():
 
 def available():
     """Whether Triton is installed (the kernels still need a GPU, or the interpreter)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None (import blocked)
+        return False
 
 
 def decline_reason(query, key, value, attn_mask, dropout_p):

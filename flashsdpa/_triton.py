@@ -331,8 +331,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
     query, key, value, out, lse, rng_state = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(grad_out.contiguous() if grad_out.stride(-1) == 0 else grad_out,
-                         query, key, value, out, lse, rng_state, ctx.mask, *ctx.args)
+    dq, dk, dv = _bwd_op(grad_out, query, key, value, out, lse, rng_state, ctx.mask, *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 

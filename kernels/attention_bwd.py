@@ -19,11 +19,13 @@ from .common import dropout_keep, load_block, masked_scores, tile_desc
 def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mask_base,
              stride_mm, stride_mn, dropout_p, seed, rng_offset,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
-             DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N]."""
+             DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
+    """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N].
+    CHECK=False for interior tiles (see masked_scores); query rows past Lq, zero-filled by the
+    descriptors with lse = delta = 0, then contribute exactly 0 to dK, dV and dQ."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL)
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL, CHECK)
     p = tl.math.exp2(s - lse2[:, None])  # masked -> 0
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -34,6 +36,27 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mas
         pd = p
     ds = p * (dp - delta[:, None])
     return pd, ds
+
+
+@triton.jit
+def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DELTA,
+               stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, mask_base, stride_mm,
+               stride_mn, dropout_p, seed, rng_offset,
+               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+               CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q = load_block(q_desc, start_m, UPCAST)
+    do = load_block(do_desc, start_m, UPCAST)
+    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
+                   mask=offs_m < Lq, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
+    pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
+                      mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION, CHECK)
+    dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
+    dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -69,9 +92,14 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
+    # q tiles [lo, mid) need the bound/causal checks (the diagonal, or every tile when this kv
+    # tile is ragged); the tiles from mid on run without them
     lo = 0
-    if IS_CAUSAL:  # rows before this tile's first key see none of it
+    mid = 0
+    if IS_CAUSAL:  # rows before this tile's first key see none of it; from mid on, all of it
         lo = start_n // BLOCK_M * BLOCK_M
+        mid = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
     for g in range(0, group):
         h = hk * group + g
         bh = b * Hq + h
@@ -79,24 +107,39 @@ def attn_bwd_dkdv_kernel(
         do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
                             BLOCK_DV)
         mask_base = Mask + b * stride_mb + h * stride_mh
-        for start_m in range(lo, Lq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = load_block(q_desc, start_m, UPCAST)
-            do = load_block(do_desc, start_m, UPCAST)
-            lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
-                           mask=offs_m < Lq, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-            pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
-                              mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                              HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION)
-            dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
-            dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
+                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale,
+                                mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                                HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION,
+                                True, BLOCK_M)
+        for start_m in range(mid, Lq, BLOCK_M):
+            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
+                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale,
+                                mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                                HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION,
+                                False, BLOCK_M)
 
     n_ok = offs_n[:, None] < Lk
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok & (offs_d[None, :] < D))
     tl.store(DV_ + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=n_ok & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk, qk_scale,
+             mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+             CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
+    v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
+    _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mask_base,
+                     stride_mm, stride_mn, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                     IS_CAUSAL, DROPOUT, PRECISION, CHECK)
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
@@ -136,17 +179,19 @@ def attn_bwd_dq_kernel(
     mask_base = Mask + b * stride_mb + h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
+    full_end = Lk // BLOCK_N * BLOCK_N  # interior kv tiles first (unchecked), as the forward
     hi = Lk
     if IS_CAUSAL:
+        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
         hi = tl.minimum(Lk, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_block(k_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_D]
-        v = load_block(v_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_DV]
-        pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
-                          mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                          HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    for start_n in range(0, full_end, BLOCK_N):
+        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
+                      qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
+    for start_n in range(full_end, hi, BLOCK_N):
+        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
+                      qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty),

@@ -6,13 +6,40 @@ accumulator, `acc = tl.dot(p, v, acc)`); the natural-log LSE is stored for the b
 operands come through 2-D tensor descriptors (one per (batch, head) slice; out-of-range rows and
 columns read as 0, so ragged lengths need no padding). Causal is top-left aligned (PyTorch's
 rule): kv blocks right of a q tile's last row are never visited. GQA maps query head h to kv head
-h // (Hq // Hkv). Masks are read through their (possibly zero) strides. Rows with nothing to
-attend to give 0 (and LSE 0).
+h // (Hq // Hkv). Masks are read through their (possibly zero) strides. Interior tiles run without
+the bound and causal checks (a first loop), only the tiles after them pay for them (a second).
+Rows with nothing to attend to give 0 (and LSE 0).
 """
 import triton
 import triton.language as tl
 
 from .common import dropout_keep, load_block, masked_scores, tile_desc
+
+
+@triton.jit
+def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_scale, mask_base,
+              stride_mm, stride_mn, dropout_p, seed, rng_offset,
+              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One kv tile of the online softmax: returns the updated (m, l, acc)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
+                      HAS_MASK, MASK_BOOL, IS_CAUSAL, CHECK)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P = 0
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if DROPOUT:
+        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
+    v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -49,27 +76,23 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
+    # interior tiles (every key in range and left of the diagonal) skip the bound/causal checks;
+    # the tiles after them are checked; causal stops at the tile's last row
+    full_end = Lk // BLOCK_N * BLOCK_N
     hi = Lk
-    if IS_CAUSAL:  # no row of this tile sees keys past its last row
+    if IS_CAUSAL:
+        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
         hi = tl.minimum(Lk, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_block(k_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
-                          HAS_MASK, MASK_BOOL, IS_CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P = 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
-            p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
-        v = load_block(v_desc, start_n, UPCAST)                       # [BLOCK_N, BLOCK_DV]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+    for start_n in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
+                                  qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed,
+                                  rng_offset, HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST,
+                                  PRECISION, False, BLOCK_N)
+    for start_n in range(full_end, hi, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
+                                  qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed,
+                                  rng_offset, HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST,
+                                  PRECISION, True, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

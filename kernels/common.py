@@ -33,21 +33,32 @@ def load_block(desc, row, UPCAST: tl.constexpr):
 
 @triton.jit
 def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stride_mn,
-                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr):
+                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                  CHECK: tl.constexpr):
     """log2-domain scores of a [BLOCK_M, BLOCK_N] tile; -inf where a key is not attended
-    (outside the sequence, masked out, or above the top-left causal diagonal)."""
+    (outside the sequence, masked out, or above the top-left causal diagonal).
+
+    CHECK=False is the fast path for interior tiles: the caller guarantees that every key of the
+    tile is inside the sequence and visible to every row (left of the causal diagonal), so only
+    a user mask applies (read with the rows bounded)."""
     s = s * qk_scale
-    valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq)
+    if CHECK:
+        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq)
+        if IS_CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
     if HAS_MASK:
-        mval = tl.load(mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
-                       mask=valid, other=0)
+        ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+        if CHECK:
+            mval = tl.load(ptrs, mask=valid, other=0)
+        else:
+            mval = tl.load(ptrs, mask=offs_m[:, None] < Lq, other=0)
         if MASK_BOOL:
-            valid = valid & (mval != 0)
+            s = tl.where(mval != 0, s, float("-inf"))
         else:
             s = s + mval.to(tl.float32) * 1.4426950408889634
-    if IS_CAUSAL:
-        valid = valid & (offs_n[None, :] <= offs_m[:, None])
-    return tl.where(valid, s, float("-inf"))
+    if CHECK:
+        s = tl.where(valid, s, float("-inf"))
+    return s
 
 
 @triton.jit

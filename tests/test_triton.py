@@ -88,6 +88,9 @@ CASES = {
     "permuted_blhd": (2, 2, 2, 29, 31, 16, 16, "blhd", dict(is_causal=True)),
     "padded_view": (1, 2, 2, 26, 35, 16, 16, "padded", {}),
     "single_row_col": (1, 2, 2, 1, 1, 16, 16, "contiguous", {}),
+    # several interior (unchecked) tiles per row of tiles, then ragged checked ones
+    "many_tiles": (1, 2, 1, 150, 130, 16, 16, "contiguous", {}),
+    "many_tiles_causal": (1, 2, 1, 150, 130, 16, 16, "contiguous", dict(is_causal=True)),
 }
 
 

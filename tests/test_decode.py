@@ -33,6 +33,17 @@ def test_decode_q_lens(tier, lq, dtype):
     check_forward_backward(q, k, v, dtype, f"{tier} decode lq={lq}", attn_mask=pad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("group,lq,D", [(3, 1, 20), (3, 2, 20), (7, 1, 36), (5, 2, 8), (1, 3, 13)])
+def test_decode_row_groups(tier, group, lq, dtype, D):
+    """Folded row counts M = group * lq that leave every remainder of the 4-row Q.K kernel and
+    of the 6-row P.V kernel, with head dims that end in a partial vector."""
+    q, k, v = make_qkv(1, 2 * group, 2, lq, 700, D, dtype=dtype, seed=group * 10 + lq)
+    assert decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    check_forward_backward(q, k, v, dtype, f"{tier} decode M={group * lq} D={D}",
+                           backward=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
 def test_padded_cache_views(tier, decode_path, layout, dtype):

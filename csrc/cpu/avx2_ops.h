@@ -312,40 +312,46 @@ struct Avx2Ops : GenericOps {
   }
 
   // ---- short-query (decode) kernels ---------------------------------------------------------
-  // s[r][j] = q_r . k_j. Four keys x two query rows per pass: 8 accumulators, each key chunk
-  // widened once per row pair; a hadd tree turns 4 accumulators into 4 dot products.
-  template <class T, bool kTwo>
-  static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q0, const float* q1,
-                              float* s0, float* s1) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  // s[r][j] = q_r . k_j for four keys x R query rows per pass: 4R accumulators, each key chunk
+  // widened once for all R rows; a hadd tree turns a row's 4 accumulators into 4 dot products.
+  // R is bounded by the register file: 2 rows with AVX2's 16 registers, 4 with AVX-512VL's 32.
+  template <class T, int R>
+  static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q, int ldq, float* s,
+                              int lds) {
+    __m256 a[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
     const T* k1 = k0 + ldk;
     const T* k2 = k1 + ldk;
     const T* k3 = k2 + ldk;
-    const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 qa, __m256 qb) {
-      a00 = _mm256_fmadd_ps(qa, v0, a00), a01 = _mm256_fmadd_ps(qa, v1, a01);
-      a02 = _mm256_fmadd_ps(qa, v2, a02), a03 = _mm256_fmadd_ps(qa, v3, a03);
-      if (kTwo) {
-        a10 = _mm256_fmadd_ps(qb, v0, a10), a11 = _mm256_fmadd_ps(qb, v1, a11);
-        a12 = _mm256_fmadd_ps(qb, v2, a12), a13 = _mm256_fmadd_ps(qb, v3, a13);
+    const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, int d, int t) {
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const float* qi = q + int64_t(i) * ldq + d;
+        const __m256 qv = t == 8 ? _mm256_loadu_ps(qi) : load8_partial(qi, t);
+        a[i][0] = _mm256_fmadd_ps(qv, v0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qv, v1, a[i][1]);
+        a[i][2] = _mm256_fmadd_ps(qv, v2, a[i][2]);
+        a[i][3] = _mm256_fmadd_ps(qv, v3, a[i][3]);
       }
     };
     int d = 0;
     for (; d + 8 <= D; d += 8)
-      step(load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d), _mm256_loadu_ps(q0 + d),
-           kTwo ? _mm256_loadu_ps(q1 + d) : _mm256_setzero_ps());
+      step(load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d), d, 8);
     if (d < D) {
       const int t = D - d;
       step(load8_partial(k0 + d, t), load8_partial(k1 + d, t), load8_partial(k2 + d, t),
-           load8_partial(k3 + d, t), load8_partial(q0 + d, t),
-           kTwo ? load8_partial(q1 + d, t) : _mm256_setzero_ps());
+           load8_partial(k3 + d, t), d, t);
     }
-    const auto reduce4 = [](__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(x0, x1), _mm256_hadd_ps(x2, x3));
-      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    };
-    _mm_storeu_ps(s0, reduce4(a00, a01, a02, a03));
-    if (kTwo) _mm_storeu_ps(s1, reduce4(a10, a11, a12, a13));
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
+                                      _mm256_hadd_ps(a[i][2], a[i][3]));
+      _mm_storeu_ps(s + int64_t(i) * lds,
+                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
   }
 
   // Decode streams K and V from memory once: rows kPrefetchRows ahead are prefetched (also
@@ -359,22 +365,33 @@ struct Avx2Ops : GenericOps {
         _mm_prefetch(reinterpret_cast<const char*>(row + r * ld) + off, _MM_HINT_T1);
   }
 
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
+  // Query rows in groups of kR (see qk_4keys), K rows prefetched ahead.
+  template <int kR, class T>
+  static void decode_qk_rows(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq,
+                             int M, float* s, int lds) {
     int j = 0;
     for (; j + 4 <= nk; j += 4) {
       const T* k0 = k + j * ldk;
       prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
       int r = 0;
-      for (; r + 2 <= M; r += 2)
-        qk_4keys<T, true>(k0, ldk, D, q + int64_t(r) * ldq, q + int64_t(r + 1) * ldq,
-                          s + int64_t(r) * lds + j, s + int64_t(r + 1) * lds + j);
-      if (r < M)
-        qk_4keys<T, false>(k0, ldk, D, q + int64_t(r) * ldq, nullptr, s + int64_t(r) * lds + j,
-                           nullptr);
+      for (; r + kR <= M; r += kR)
+        qk_4keys<T, kR>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      const float* qr = q + int64_t(r) * ldq;
+      float* sr = s + int64_t(r) * lds + j;
+      switch (M - r) {  // the last rows, fewer than kR
+        case 3: if constexpr (kR > 3) qk_4keys<T, 3>(k0, ldk, D, qr, ldq, sr, lds); break;
+        case 2: if constexpr (kR > 2) qk_4keys<T, 2>(k0, ldk, D, qr, ldq, sr, lds); break;
+        case 1: if constexpr (kR > 1) qk_4keys<T, 1>(k0, ldk, D, qr, ldq, sr, lds); break;
+        default: break;
+      }
     }
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+  }
+
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    decode_qk_rows<2>(k, ldk, nk, D, q, ldq, M, s, lds);
   }
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).

@@ -205,74 +205,12 @@ struct Avx512Ops : Avx2Ops {
     return total;
   }
 
-  // ---- decode Q K^T with several rows (GQA folded into rows, or q_len > 1) -------------------
-  // s[r][j] = q_r . k_j for 4 keys x R <= 4 rows: 16 ymm accumulators (AVX-512VL has 32
-  // registers, the AVX2 kernel's 16 fit only 2 rows), so each 8-dim chunk of the 4 K rows is
-  // loaded (and widened) once for 4 query rows instead of twice for 2 + 2.
-  template <class T, int R>
-  static inline void qk_4keys_rows(const T* k0, int64_t ldk, int D, const float* q, int ldq,
-                                   float* s, int lds) {
-    __m256 a[R][4];
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
-    const T* k1 = k0 + ldk;
-    const T* k2 = k1 + ldk;
-    const T* k3 = k2 + ldk;
-    int d = 0;
-    for (; d + 8 <= D; d += 8) {
-      const __m256 v0 = load8(k0 + d), v1 = load8(k1 + d), v2 = load8(k2 + d), v3 = load8(k3 + d);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        const __m256 qi = _mm256_loadu_ps(q + int64_t(i) * ldq + d);
-        a[i][0] = _mm256_fmadd_ps(qi, v0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qi, v1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(qi, v2, a[i][2]);
-        a[i][3] = _mm256_fmadd_ps(qi, v3, a[i][3]);
-      }
-    }
-    if (d < D) {
-      const int t = D - d;
-      const __m256 v0 = load8_partial(k0 + d, t), v1 = load8_partial(k1 + d, t),
-                   v2 = load8_partial(k2 + d, t), v3 = load8_partial(k3 + d, t);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        const __m256 qi = load8_partial(q + int64_t(i) * ldq + d, t);
-        a[i][0] = _mm256_fmadd_ps(qi, v0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qi, v1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(qi, v2, a[i][2]);
-        a[i][3] = _mm256_fmadd_ps(qi, v3, a[i][3]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
-                                      _mm256_hadd_ps(a[i][2], a[i][3]));
-      _mm_storeu_ps(s + int64_t(i) * lds,
-                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    }
-  }
-
+  // Decode Q K^T: 4 query rows per pass (16 ymm accumulators fit AVX-512VL's 32 registers), so
+  // each chunk of 4 K rows is loaded and widened once for 4 rows instead of twice for 2 + 2.
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
-    if (M < 3) return Avx2Ops::decode_qk(k, ldk, nk, D, q, ldq, M, s, lds);
-    int j = 0;
-    for (; j + 4 <= nk; j += 4) {
-      const T* k0 = k + j * ldk;
-      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      int r = 0;
-      for (; r + 4 <= M; r += 4)
-        qk_4keys_rows<T, 4>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
-      switch (M - r) {
-        case 3: qk_4keys_rows<T, 3>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds); break;
-        case 2: qk_4keys_rows<T, 2>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds); break;
-        case 1: qk_4keys_rows<T, 1>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds); break;
-        default: break;
-      }
-    }
-    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+    decode_qk_rows<4>(k, ldk, nk, D, q, ldq, M, s, lds);
   }
 
   static void scale_row(float* x, int n, float a) {

@@ -17,17 +17,14 @@ import warnings
 import torch
 
 from . import _C, _triton
+from ._triton import _to_4d
 
 GPU_DEVICE_TYPES = ("xpu", "cuda")
 
 
-def _4d(t):
-    return t.unsqueeze(0) if t is not None and t.dim() == 3 else t
-
-
 def _prepare(query, key, value, attn_bias):
     """4-D views (3-D inputs get a batch of 1), key/value batch broadcast, heads checked."""
-    q, k, v = _4d(query), _4d(key), _4d(value)
+    q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
     if q.shape[1] % max(k.shape[1], 1) != 0:
         raise ValueError(f"flashsdpa: query heads ({q.shape[1]}) must be a multiple of key/value "
                          f"heads ({k.shape[1]})")
@@ -47,7 +44,8 @@ def fused_attention_overrideable(query, key, value, attn_bias=None, dropout_p=0.
     q, k, v, bias = _prepare(query, key, value, attn_bias)
     rng = _triton.new_rng_state() if dropout_p > 0 else (0, 0)
     out = _triton.alloc_like_query(query, tuple(query.shape[:-1]) + (value.shape[-1],))
-    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng, out=_4d(out))
+    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng,
+                             out=_to_4d(out))
     seed, offset = _rng_tensors(rng)
     return (out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None)
 
@@ -86,8 +84,8 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p,
     q, k, v, bias = _prepare(query, key, value, attn_bias)
     rng = (int(philox_seed), int(philox_offset)) if dropout_p > 0 else (0, 0)
     lse = logsumexp if logsumexp.dim() == 3 else logsumexp.reshape(q.shape[:3])
-    dq, dk, dv = _triton.backward(_4d(grad_out), q, k, v, _4d(out), lse, bias, dropout_p,
-                                  is_causal, scale, rng)
+    dq, dk, dv = _triton.backward(_to_4d(grad_out), q, k, v, _to_4d(out), lse, bias,
+                                  dropout_p, is_causal, scale, rng)
     if k.shape[0] != key.shape[0] and key.dim() == 4:  # broadcast key/value batch
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     if query.dim() == 3:

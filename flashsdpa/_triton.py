@@ -159,11 +159,21 @@ def alloc_like_query(query, shape, dtype=None):
     return _poisoned(torch.empty_strided(shape, strides, dtype=dtype, device=query.device))
 
 
-def _unit_last(out):
-    """`out` if its last dim has unit stride, else a contiguous buffer to write (copied back)."""
-    if out.shape[-1] <= 1 or out.stride(-1) == 1:
-        return out
-    return _poisoned(torch.empty(out.shape, dtype=out.dtype, device=out.device))
+def _kernel_target(t):
+    """The buffer a kernel writes for the result `t`: `t` itself when its last dim has unit
+    stride and it has the dtype the kernel writes (_result_dtype), else a contiguous buffer that
+    _finish copies back."""
+    dtype = _result_dtype(t.dtype)
+    if t.dtype == dtype and (t.shape[-1] <= 1 or t.stride(-1) == 1):
+        return t
+    return _poisoned(torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
+def _constexprs(mask, mask_bool, is_causal, dropout_p, dtype, d, dv):
+    """The compile-time arguments the forward and both backward kernels share."""
+    return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
+                DROPOUT=dropout_p > 0, UPCAST=_upcast(dtype), PRECISION=_precision(dtype),
+                BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)))
 
 
 def _finish(buf, dest):
@@ -204,23 +214,16 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     fwd, _, configs = _load_kernels(query.device)
     q, k, v = (_for_descriptor(t) for t in (query, key, value))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
-    buf = _unit_last(out)
-    if buf.dtype != _result_dtype(query.dtype):
-        buf = _poisoned(torch.empty(out.shape, dtype=_result_dtype(query.dtype),
-                                    device=out.device))
+    buf = _kernel_target(out)
     blocks, opts = configs.forward_config(max(d, dv))
     grid = (triton_cdiv(lq, blocks["BLOCK_M"]), b * hq)
     fwd.attn_fwd_kernel[grid](
         q, k, v, mask if mask is not None else q, buf, lse,
         *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
-        *(mask.stride() if mask is not None else (0, 0, 0, 0)),
-        *_stride4(lse)[:3],
+        *(mask.stride() if mask is not None else (0, 0, 0, 0)), *_stride4(lse),
         hq, hkv, lq, lk, d, dv,
         float(scale) * LOG2E, float(dropout_p), int(rng[0]), int(rng[1]),
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
-        DROPOUT=dropout_p > 0, UPCAST=_upcast(query.dtype),
-        PRECISION=_precision(query.dtype),
-        BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)),
+        **_constexprs(mask, mask_bool, is_causal, dropout_p, query.dtype, d, dv),
         **blocks, **opts)
     return _finish(buf, out), lse
 
@@ -240,19 +243,8 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
     delta = (out.float() * grad_out.float()).sum(-1).contiguous()     # [B, Hq, Lq]
     lse = lse.float()
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
-    rdt = _result_dtype(query.dtype)
-
-    def target(t):
-        buf = _unit_last(t)
-        if buf.dtype == rdt:
-            return buf
-        return _poisoned(torch.empty(t.shape, dtype=rdt, device=t.device))
-
-    dq_buf, dk_buf, dv_buf = target(dq), target(dk), target(dvv)
-    common = dict(
-        HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
-        DROPOUT=dropout_p > 0, UPCAST=_upcast(query.dtype), PRECISION=_precision(query.dtype),
-        BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)))
+    dq_buf, dk_buf, dv_buf = _kernel_target(dq), _kernel_target(dk), _kernel_target(dvv)
+    common = _constexprs(mask, mask_bool, is_causal, dropout_p, query.dtype, d, dv)
     mstrides = mask.stride() if mask is not None else (0, 0, 0, 0)
     args_in = (*_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
                *_stride4(lse))

@@ -12,7 +12,7 @@ Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the sof
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, load_block, masked_scores, tile_desc
+from .common import dropout_keep, kv_bounds, load_block, masked_scores, tile_desc
 
 
 @triton.jit
@@ -179,11 +179,7 @@ def attn_bwd_dq_kernel(
     mask_base = Mask + b * stride_mb + h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_end = Lk // BLOCK_N * BLOCK_N  # interior kv tiles first (unchecked), as the forward
-    hi = Lk
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    full_end, hi = kv_bounds(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)  # as the forward
     for start_n in range(0, full_end, BLOCK_N):
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
                       qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,

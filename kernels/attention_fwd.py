@@ -13,7 +13,7 @@ Rows with nothing to attend to give 0 (and LSE 0).
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, load_block, masked_scores, tile_desc
+from .common import dropout_keep, kv_bounds, load_block, masked_scores, tile_desc
 
 
 @triton.jit
@@ -76,13 +76,8 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # interior tiles (every key in range and left of the diagonal) skip the bound/causal checks;
-    # the tiles after them are checked; causal stops at the tile's last row
-    full_end = Lk // BLOCK_N * BLOCK_N
-    hi = Lk
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    # interior tiles skip the bound/causal checks; the tiles after them are checked
+    full_end, hi = kv_bounds(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
                                   qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed,

@@ -32,6 +32,20 @@ def load_block(desc, row, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def kv_bounds(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """For the q tile starting at row start_m: (end of the interior kv tiles - every key in range
+    and visible to every row, so masked_scores may skip its checks -, end of the kv tiles to
+    visit: causal stops at the tile's last row)."""
+    full_end = Lk // BLOCK_N * BLOCK_N
+    hi = Lk
+    if IS_CAUSAL:
+        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+    return full_end, hi
+
+
+@triton.jit
 def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stride_mn,
                   HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
                   CHECK: tl.constexpr):

@@ -188,23 +188,29 @@ def num_threads(n):
         torch.set_num_threads(old)
 
 
-def check_forward_backward(q, k, v, dtype, what, backward=True, **kw):
-    """Runs flashsdpa fwd (+bwd) and PyTorch in the same dtype, checks both against fp64."""
+def check_forward_backward(q, k, v, dtype, what, backward=True, sdpa=None, device="cpu", **kw):
+    """Runs flashsdpa fwd (+bwd) and PyTorch in the same dtype, checks both against fp64.
+
+    `sdpa` replaces flashsdpa.scaled_dot_product_attention (same signature) and runs on tensors
+    moved to `device`; PyTorch and the reference run on the CPU."""
+    sdpa = sdpa or flashsdpa.scaled_dot_product_attention
     enable_gqa = kw.pop("enable_gqa", q.dim() == 4 and k.shape[1] != q.shape[1])
-    leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    out = flashsdpa.scaled_dot_product_attention(*leaves, enable_gqa=enable_gqa, **kw)
+    leaves = [t.detach().clone().to(device).requires_grad_(backward) for t in (q, k, v)]
+    mask = kw.get("attn_mask")
+    kw_ours = dict(kw, attn_mask=mask.to(device)) if mask is not None else kw
+    out = sdpa(*leaves, enable_gqa=enable_gqa, **kw_ours)
     ref_leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
     ref = reference_sdpa(*ref_leaves, **kw)
     torch_leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
     torch_out = torch_sdpa_same_dtype(*torch_leaves, enable_gqa=enable_gqa, **kw)
-    assert_within_rule(out, torch_out, ref, dtype, what + " out")
+    assert_within_rule(out.cpu(), torch_out, ref, dtype, what + " out")
     if not backward:
         return out
     g = torch.Generator().manual_seed(1234)
     grad = torch.randn(out.shape, generator=g).to(dtype)
-    out.backward(grad)
+    out.backward(grad.to(out.device))
     ref.backward(grad.double())
     torch_out.backward(grad)
     for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, torch_leaves, ref_leaves):
-        assert_within_rule(ours.grad, theirs.grad, r.grad, dtype, f"{what} {name}")
+        assert_within_rule(ours.grad.cpu(), theirs.grad, r.grad, dtype, f"{what} {name}")
     return out

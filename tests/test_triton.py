@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, make_qkv, reference_sdpa,
-                      torch_sdpa_same_dtype)
+from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
+                      reference_sdpa)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -54,24 +54,8 @@ def _dev(t):
 def run_case(q, k, v, dtype, what, backward=True, **kw):
     """flashsdpa's Triton path (on DEVICE) vs fp64 reference vs PyTorch's own same-dtype SDPA
     (on CPU), forward and gradients."""
-    leaves = [_dev(t.detach()).requires_grad_(backward) for t in (q, k, v)]
-    kw_dev = dict(kw, attn_mask=_dev(kw.get("attn_mask")))
-    out = _triton.scaled_dot_product_attention(*leaves, **kw_dev)
-    ref_leaves = [t.detach().double().requires_grad_(backward) for t in (q, k, v)]
-    ref = reference_sdpa(*ref_leaves, **kw)
-    gqa = q.dim() == 4 and k.shape[1] != q.shape[1]
-    torch_leaves = [t.detach().clone().requires_grad_(backward) for t in (q, k, v)]
-    torch_out = torch_sdpa_same_dtype(*torch_leaves, enable_gqa=gqa, **kw)
-    assert_within_rule(out.cpu(), torch_out, ref, dtype, what + " out")
-    if not backward:
-        return out
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
-    out.backward(_dev(grad))
-    ref.backward(grad.double())
-    torch_out.backward(grad)
-    for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, torch_leaves, ref_leaves):
-        assert_within_rule(ours.grad.cpu(), theirs.grad, r.grad, dtype, f"{what} {name}")
-    return out
+    return check_forward_backward(q, k, v, dtype, what, backward,
+                                  sdpa=_triton.scaled_dot_product_attention, device=DEVICE, **kw)
 
 
 # (B, Hq, Hkv, L, S, D, Dv, layout, extra kwargs)
@@ -305,24 +289,17 @@ def _overrideable(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None
         q, k, v, mask, dropout_p, is_causal, False, scale=scale)[0]
 
 
-def _check_against_reference(fn, dtype, spy, expect_calls=True, **kw):
+def _check_against_reference(fn, dtype, spy, **kw):
+    """fn(q, k, v, mask, **kw) - an aten op or F.sdpa routed to the Triton kernels - checked as
+    every other path; the spy proves the kernels ran."""
     q, k, v = make_qkv(2, 4, 2, 21, 26, 16, dtype=dtype, seed=21)
-    mask = _mask("B1LS", 2, 4, 21, 26, dtype)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves, mask, **kw)
-    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = reference_sdpa(*ref_leaves, attn_mask=mask, **kw)
-    torch_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    torch_out = torch_sdpa_same_dtype(*torch_leaves, attn_mask=mask, enable_gqa=True, **kw)
-    assert_within_rule(out.detach(), torch_out.detach(), ref.detach(), dtype, "registered out")
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    out.backward(grad)
-    ref.backward(grad.double())
-    torch_out.backward(grad)
-    for name, ours, theirs, r in zip(("dq", "dk", "dv"), leaves, torch_leaves, ref_leaves):
-        assert_within_rule(ours.grad, theirs.grad, r.grad, dtype, f"registered {name}")
-    if expect_calls:
-        assert spy["forward"] >= 1 and spy["backward"] >= 1, spy
+
+    def sdpa(q, k, v, attn_mask=None, enable_gqa=False, **kw):
+        return fn(q, k, v, attn_mask, **kw)
+
+    check_forward_backward(q, k, v, dtype, "registered", sdpa=sdpa,
+                           attn_mask=_mask("B1LS", 2, 4, 21, 26, dtype), **kw)
+    assert spy["forward"] >= 1 and spy["backward"] >= 1, spy
 
 
 @needs_interpreter

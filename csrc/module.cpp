@@ -240,6 +240,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_block_override", &flashsdpa::set_block_override, py::arg("fwd_bq") = 0,
         py::arg("fwd_bk") = 0, py::arg("bwd_bq") = 0, py::arg("bwd_bk") = 0,
         "tuning hook: block sizes replacing the tier's choice (0 keeps it)");
+  m.def(
+      "exp2_row_sum",
+      [](const at::Tensor& x, double m, const std::string& dt) {
+        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat, "exp2_row_sum: x must be a 1-D "
+                    "float32 tensor");
+        const int64_t n = x.numel();
+        // padded to whole vectors of -inf, which the tiers' loops read
+        at::Tensor buf = at::full({(n + 15) / 16 * 16 + 16}, -INFINITY, x.options());
+        buf.narrow(0, 0, n).copy_(x);
+        const float sum = flashsdpa::cpu::selected_tier(parse_dtype(dt))
+                              .exp2_row_sum(buf.data_ptr<float>(), int(n), float(m));
+        return py::make_tuple(buf.narrow(0, 0, n).clone(), sum);
+      },
+      py::arg("x"), py::arg("m"), py::arg("dtype") = "float32",
+      "test hook: the softmax exponent of the tier that runs `dtype` (cap / emulation honoured): "
+      "(exp2(x - m), its sum)");
   m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

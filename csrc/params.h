@@ -111,6 +111,9 @@ struct CpuTier {
   const char* name;
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch);
+  // Test hook: the tier's softmax exponent, s[j] = exp2(s[j] - m) for j < n, returns the sum
+  // (s padded to a multiple of 16 floats; lanes from n on must hold -inf).
+  float (*exp2_row_sum)(float* s, int n, float m);
 };
 
 namespace cpu {

@@ -150,3 +150,34 @@ def test_kv_prepack_paths(tier, kv_prepack, shape, causal, dtype):
     mask = torch.randn(L, S)
     check_forward_backward(q, k, v, dtype, f"{tier} prepack={kv_prepack}", is_causal=causal,
                            attn_mask=mask, backward=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_exp2_row_sum(tier, dtype):
+    """The tier's softmax exponent directly: within 2 ulp of 2^x over the whole range the
+    softmax feeds it (x = s - m <= 0), -inf and far-below-range inputs give exactly 0, NaN
+    stays NaN, every length remainder, and the returned sum matches the written values."""
+    from flashsdpa import _C
+    g = torch.Generator().manual_seed(7)
+    m = 0.75
+    for n in (1, 7, 8, 15, 16, 17, 37, 64):
+        s = m - torch.rand(n, generator=g, dtype=torch.float64) * 40.0
+        s[: n // 3] = torch.round(s[: n // 3] * 2) / 2  # integers and halves (rounding ties)
+        s = s.float()
+        y, total = _C.exp2_row_sum(s, m, dtype)
+        ref = torch.exp2((s - m).double())  # the kernel subtracts in fp32 too
+        rel = ((y.double() - ref).abs() / ref).max().item()
+        assert rel <= 2 * 2.0 ** -23, f"{tier}: exp2 relative error {rel:.3g} (n={n})"
+        assert abs(total - y.double().sum().item()) <= 1e-5 * max(1.0, total), (
+            f"{tier}: sum {total} vs {y.double().sum().item()} (n={n})")
+    # the far tail: masked (-inf) and very negative scores give 0; tiny results denormal or 0
+    s = torch.tensor([0.0, float("-inf"), -1.0e4, -160.0, -151.5, -130.25, -126.0, -100.5, 3.0])
+    y, total = _C.exp2_row_sum(s, 0.0, dtype)
+    ref = torch.exp2(s.double())
+    assert torch.equal(y[1:5], torch.zeros(4)), f"{tier}: {y[1:5]} should be exactly 0"
+    assert (y[5:7].double() - ref[5:7]).abs().max().item() <= 2.0 ** -126, f"{tier}: {y[5:7]}"
+    for i in (0, 7, 8):
+        assert abs(y[i].item() / ref[i].item() - 1) <= 2 * 2.0 ** -23, f"{tier}: {y[i]} at {s[i]}"
+    y, total = _C.exp2_row_sum(torch.tensor([0.0, float("nan"), -1.0] + [-2.0] * 16), 0.0, dtype)
+    assert torch.isnan(y[1]) and not torch.isnan(y[0]) and not torch.isnan(y[2:]).any(), (
+        f"{tier}: NaN must stay in its lane: {y}")

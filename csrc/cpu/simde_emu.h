@@ -98,6 +98,23 @@ inline simde__m512 cvtph_ps(simde__m256i a) {  // fp16 -> fp32 through the F16C 
   simde_memcpy(reinterpret_cast<char*>(&r) + 32, &h, 32);
   return r;
 }
+// vscalefps: a * 2^floor(b), rounded once (ldexpf), NaN in -> NaN out. (SIMDe's version goes
+// through exp2 per lane and flushes denormal inputs.)
+inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
+  simde__m512_private pa = simde__m512_to_private(a), pb = simde__m512_to_private(b), r;
+  for (int i = 0; i < 16; ++i) {
+    const float x = pa.f32[i], e = pb.f32[i];
+    if (x != x || e != e) {
+      r.f32[i] = x + e;
+    } else if (e == __builtin_inff() || e == -__builtin_inff()) {
+      r.f32[i] = e > 0 ? x * __builtin_inff() : x * 0.0f;
+    } else {
+      const float fe = __builtin_floorf(e);
+      r.f32[i] = __builtin_ldexpf(x, fe > 400.0f ? 400 : (fe < -400.0f ? -400 : int(fe)));
+    }
+  }
+  return simde__m512_from_private(r);
+}
 }  // namespace emu
 }  // namespace flashsdpa
 
@@ -121,3 +138,5 @@ inline simde__m512 cvtph_ps(simde__m256i a) {  // fp16 -> fp32 through the F16C 
 #undef _mm512_reduce_max_ps
 #define _mm512_reduce_add_ps(v) flashsdpa::emu::reduce_add_ps(v)
 #define _mm512_reduce_max_ps(v) flashsdpa::emu::reduce_max_ps(v)
+#undef _mm512_scalef_ps
+#define _mm512_scalef_ps(a, b) flashsdpa::emu::scalef_ps(a, b)

@@ -111,7 +111,8 @@ struct TierImpl {
   namespace cpu {                                                                               \
   const CpuTier* getter() {                                                                     \
     static const CpuTier tier{NAME, &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::plan, \
-                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run};        \
+                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run,         \
+                              &FLASHSDPA_TIER_NS::OPS::exp2_row_sum};                            \
     return &tier;                                                                               \
   }                                                                                             \
   }                                                                                             \

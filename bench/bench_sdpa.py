@@ -303,9 +303,17 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
             gf = flops(B, Hq, Lq, S, D, causal, mode) / med * 1e-9
             row["GFLOP/s"] = gf
             row["TFLOP/s"] = gf * 1e-3
-            row["frac_peak"] = gf / pk["fma_peak_gflops"] if pk else None
+            row["frac_peak"] = gf / peak_for(pk, dtype) if pk else None
         out.append(row)
     return out
+
+
+def peak_for(pk, dtype):
+    """The compute peak a dtype's rows are measured against: bf16 against the bf16 dot-product
+    peak where the CPU has one (vdpbf16ps), everything else against the fp32 FMA peak."""
+    if dtype == torch.bfloat16 and pk.get("bf16_dot_gflops"):
+        return pk["bf16_dot_gflops"]
+    return pk["fma_peak_gflops"]
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -358,7 +366,10 @@ def markdown(meta, rows):
                        f"geomean {geomean(ss):.2f}x, min {min(ss):.2f}x over {len(ss)} shapes")
     pk = meta.get("peak")
     peak_line = (f"machine peak (bench/peak.py, {pk['threads']} threads): FMA "
-                 f"{pk['fma_peak_gflops']:.0f} GFLOP/s ({pk['fma_peak_isa']}), read "
+                 f"{pk['fma_peak_gflops']:.0f} GFLOP/s ({pk['fma_peak_isa']}), "
+                 + (f"bf16 dot {pk['bf16_dot_gflops']:.0f} GFLOP/s (vdpbf16ps: bfloat16 rows' "
+                    "% peak), " if pk.get("bf16_dot_gflops") else "")
+                 + "read "
                  f"{pk['read_gbs']:.1f} GB/s"
                  + (" (median of probes next to the cases)" if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"

@@ -1,8 +1,9 @@
-"""Measure this machine's peaks: FMA throughput and memory read bandwidth.
+"""Measure this machine's peaks: FMA throughput, bf16 dot-product throughput and read bandwidth.
 
 Compiles bench/peak_probe.c once per ISA variant the CPU runs (sse2, avx2+fma, avx512f) with the
 system C compiler, runs it on `threads` threads, and reports GFLOP/s per variant and the read
-bandwidth. The machine's FMA peak is the fastest variant. bench_sdpa.py reports every kernel as a
+bandwidth. The machine's FMA peak is the fastest variant; on CPUs with AVX512-BF16 a vdpbf16ps
+probe gives the bf16 dot-product peak (bf16 products accumulated in fp32). bench_sdpa.py reports every kernel as a
 fraction of these numbers.
 
     python bench/peak.py [--threads N] [--json out.json]
@@ -24,6 +25,9 @@ VARIANTS = {
     "avx2": (["-mavx2", "-mfma"], ["avx2", "fma", "os_avx"]),
     "avx512": (["-mavx512f"], ["avx512f", "os_avx512"]),
 }
+# The bf16 dot-product probe (vdpbf16ps: bf16 products, fp32 sums), where the CPU has it: the
+# rate bf16 GEMMs can reach without AMX, so bf16 rows are reported against it.
+BF16_VARIANT = ("avx512_bf16", ["-mavx512f", "-mavx512bf16"], ["avx512_bf16", "os_avx512"])
 
 
 def _compiler():
@@ -37,7 +41,7 @@ def _binary(variant):
     os.makedirs(BUILD_DIR, exist_ok=True)
     exe = os.path.join(BUILD_DIR, f"peak_probe_{variant}")
     if not os.path.exists(exe) or os.path.getmtime(exe) < os.path.getmtime(SOURCE):
-        flags = VARIANTS[variant][0]
+        flags = BF16_VARIANT[1] if variant == BF16_VARIANT[0] else VARIANTS[variant][0]
         subprocess.run([_compiler(), "-O2", "-fopenmp", *flags, SOURCE, "-o", exe],
                        check=True, capture_output=True, text=True)
     return exe
@@ -63,18 +67,29 @@ def runnable_variants():
     return [v for v, (_, needs) in VARIANTS.items() if all(feats.get(k) for k in needs)]
 
 
+def has_bf16_dot():
+    try:
+        from flashsdpa import _C
+        feats = _C.cpu_features()
+    except ImportError:
+        return False
+    return all(feats.get(k) for k in BF16_VARIANT[2])
+
+
 def measure(threads=None, fma_seconds=0.5, read_mib=1024):
     """Returns {"threads", "fma_gflops": {variant: GFLOP/s}, "fma_peak_gflops", "fma_peak_isa",
-    "read_gbs"}."""
+    "bf16_dot_gflops" (None without AVX512-BF16), "read_gbs"}."""
     import torch
     threads = threads or torch.get_num_threads()
     fma = {}
     for variant in runnable_variants():
         fma[variant] = _run(_binary(variant), "fma", threads, fma_seconds)
     best = max(fma, key=fma.get)
+    bf16 = _run(_binary(BF16_VARIANT[0]), "dpbf16", threads, fma_seconds) \
+        if has_bf16_dot() else None
     read = _run(_binary(best), "read", threads, read_mib)
     return {"threads": threads, "fma_gflops": fma, "fma_peak_gflops": fma[best],
-            "fma_peak_isa": best, "read_gbs": read}
+            "fma_peak_isa": best, "bf16_dot_gflops": bf16, "read_gbs": read}
 
 
 def main(argv=None):
@@ -86,6 +101,8 @@ def main(argv=None):
     res = measure(args.threads, read_mib=args.read_mib)
     for v, g in res["fma_gflops"].items():
         print(f"FMA peak [{v:>6}] : {g:8.1f} GFLOP/s on {res['threads']} thread(s)")
+    if res["bf16_dot_gflops"]:
+        print(f"bf16 dot peak    : {res['bf16_dot_gflops']:8.1f} GFLOP/s (vdpbf16ps)")
     print(f"read bandwidth   : {res['read_gbs']:8.1f} GB/s ({args.read_mib} MiB buffer)")
     if args.json:
         with open(args.json, "w") as f:

@@ -5,6 +5,9 @@
  *                                         build; prints GFLOP/s over all threads
  *   peak_probe read <threads> <MiB>       sums a buffer much larger than the caches with
  *                                         vector loads; prints the best GB/s of a few passes
+ *   peak_probe dpbf16 <threads> <seconds> (built with -mavx512bf16) independent vdpbf16ps
+ *                                         chains: bf16 products accumulated in fp32, 64 FLOP
+ *                                         per instruction; prints GFLOP/s over all threads
  */
 #include <immintrin.h>
 #include <omp.h>
@@ -69,35 +72,70 @@ static double fma_run(long iters, float* sink) {
   return 2.0 * LANES * CHAINS * (double)iters;
 }
 
+#if defined(__AVX512BF16__)
+static double dpbf16_run(long iters, float* sink) {
+  __m512 acc[CHAINS];
+  for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_set1_ps(1.0f + 1e-3f * c);
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
+  const __m512bh b = (__m512bh)_mm512_set1_epi16(0x3380); /* bf16 ~6e-8 */
+  for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int c = 0; c < CHAINS; ++c) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+  }
+  __m512 s = _mm512_setzero_ps();
+  for (int c = 0; c < CHAINS; ++c) s = _mm512_add_ps(s, acc[c]);
+  *sink = _mm512_reduce_add_ps(s);
+  return 64.0 * CHAINS * (double)iters;
+}
+#endif
+
+/* Runs `run` on every thread, doubling the iterations until one round lasts `seconds`;
+ * returns GFLOP/s over all threads. */
+static double timed_gflops(double (*run)(long, float*), double seconds, float* sink_out) {
+  long iters = 1 << 20;
+  for (;;) {
+    double flops = 0.0;
+    float sink = 0.0f;
+    const double t0 = omp_get_wtime();
+#pragma omp parallel reduction(+ : flops)
+    {
+      float s;
+      flops += run(iters, &s);
+#pragma omp critical
+      sink += s;
+    }
+    const double dt = omp_get_wtime() - t0;
+    if (dt >= seconds || iters > (1L << 40)) {
+      *sink_out = sink;
+      return flops / dt * 1e-9;
+    }
+    iters *= 2;
+  }
+}
+
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s fma|read <threads> <seconds|MiB>\n", argv[0]);
+    fprintf(stderr, "usage: %s fma|dpbf16|read <threads> <seconds|MiB>\n", argv[0]);
     return 2;
   }
   const int threads = atoi(argv[2]);
   omp_set_num_threads(threads);
   if (strcmp(argv[1], "fma") == 0) {
-    const double seconds = atof(argv[3]);
-    long iters = 1 << 20;
-    for (;;) { /* grow until one timed round lasts long enough */
-      double flops = 0.0;
-      float sink = 0.0f;
-      const double t0 = omp_get_wtime();
-#pragma omp parallel reduction(+ : flops)
-      {
-        float s;
-        flops += fma_run(iters, &s);
-#pragma omp critical
-        sink += s;
-      }
-      const double dt = omp_get_wtime() - t0;
-      if (dt >= seconds || iters > (1L << 40)) {
-        printf("%s fma %.3f GFLOP/s threads=%d (sink %g)\n", ISA, flops / dt * 1e-9, threads,
-               (double)sink);
-        return 0;
-      }
-      iters *= 2;
-    }
+    float sink;
+    const double g = timed_gflops(fma_run, atof(argv[3]), &sink);
+    printf("%s fma %.3f GFLOP/s threads=%d (sink %g)\n", ISA, g, threads, (double)sink);
+    return 0;
+  }
+  if (strcmp(argv[1], "dpbf16") == 0) {
+#if defined(__AVX512BF16__)
+    float sink;
+    const double g = timed_gflops(dpbf16_run, atof(argv[3]), &sink);
+    printf("avx512_bf16 dpbf16 %.3f GFLOP/s threads=%d (sink %g)\n", g, threads, (double)sink);
+    return 0;
+#else
+    fprintf(stderr, "dpbf16: build with -mavx512bf16\n");
+    return 2;
+#endif
   }
   if (strcmp(argv[1], "read") == 0) {
     const size_t bytes = (size_t)atol(argv[3]) << 20;

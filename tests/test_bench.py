@@ -29,7 +29,17 @@ def test_bench_tiny_run(tmp_path, mode):
     assert res.returncode == 0, res.stderr
     assert "vs torch_flash" in res.stdout
     data = json.loads((tmp_path / f"{mode}.json").read_text())
-    assert data["meta"]["peak"]["fma_peak_gflops"] > 0
+    pk = data["meta"]["peak"]
+    assert pk["fma_peak_gflops"] > 0
+    import peak
+    if peak.has_bf16_dot():  # vdpbf16ps does two products per fp32 lane
+        assert pk["bf16_dot_gflops"] > 1.2 * pk["fma_peak_gflops"], pk
+        if mode != "decode":
+            for r in data["rows"]:
+                rate = pk["bf16_dot_gflops"] if r["dtype"] == "bfloat16" else pk["fma_peak_gflops"]
+                assert abs(r["frac_peak"] - r["GFLOP/s"] / rate) < 1e-9, r
+    else:
+        assert pk["bf16_dot_gflops"] is None
     assert data["meta"]["cpu"] and data["meta"]["threads"] >= 1
     providers = {r["provider"] for r in data["rows"]}
     assert providers == {"flashsdpa", "torch_flash", "torch_math"}

@@ -79,7 +79,8 @@ struct AttnParams {
   // Phase::DecodeSplit / DecodeMerge: partial results of every kv split (layout: the tier's).
   float* dec_part;
 
-  // Tuning hook: block sizes to use instead of the tier's choice (0: the tier's choice).
+  // Block sizes to use instead of the tier's choice (0: the tier's choice): the tuning hook, and
+  // the forward's one-q-block-per-head choice for short sequences (ops.cpp).
   int32_t bq_override, bk_override;
 };
 

@@ -19,10 +19,13 @@ struct Blocks {
 // The per-thread working set (K^T and V panels of one kv block plus the score tile) should stay
 // in L2: bk = kL2PanelBytes / (4 * (D + Dv)), clamped, rounded to the panel width (a V panel of
 // 256 rows x 16 floats still fits L1). The backward holds more tiles (P, dP, dS, mask) and the
-// q-side panels, so it takes shorter q blocks. Depends on the shape only, never on the thread
-// count (results must not depend on it).
+// q-side panels, so it takes shorter q blocks. bk depends on the shape only (it sets the order
+// of the online softmax). The q blocking never changes a result - ops.cpp may pick one q block
+// per head by thread count (bq_override) - because every forward q block starts at a multiple
+// of MR, so the causal row groups (CausalTile), and with them each row's columns, are the same.
 template <class Ops>
 Blocks choose_blocks(const AttnParams& p, Phase phase) {
+  static_assert(Ops::kBlockQ % Ops::MR == 0, "forward q blocks must hold whole row groups");
   constexpr int64_t kL2PanelBytes = 256 * 1024;
   constexpr int64_t kMinBk = 64, kMaxBk = 256, kMaxBkBwd = 256;
   const bool fwd = phase == Phase::Forward || phase == Phase::PackKV;

@@ -140,7 +140,7 @@ struct GenericOps {
   // the AMX tile configuration).
   static void thread_begin() {}
   static void thread_end() {}
-  static constexpr int kBlockQ = 64;     // forward: query rows per block (fewer when Lq is shorter)
+  static constexpr int kBlockQ = 60;     // forward: query rows per block (a multiple of MR)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
 
   // dst[i*ldd + d] = mul * src[i*ld + d] for i < rows, d < cols.

@@ -246,10 +246,12 @@ def run(args):
                 samples = time_case(steps, args.repeats)
                 case_pk = pk
                 if args.mode == "decode" and pk and not gpu:
-                    # memory bandwidth on a shared machine drifts: probe it again next to each
-                    # decode case and use the median of all probes so far
+                    # memory bandwidth on a shared machine drifts by 1.5x within minutes: each
+                    # case is measured against the bandwidth of its own time, the larger of the
+                    # probes taken just before and just after it
+                    before = read_probes[-1]
                     read_probes.append(peak.measure_read(threads, args.peak_read_mib))
-                    case_pk = dict(pk, read_gbs=statistics.median(read_probes))
+                    case_pk = dict(pk, read_gbs=max(before, read_probes[-1]))
                 rows += summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples,
                                   case_pk)
                 if args.budget and time.perf_counter() - started > args.budget:
@@ -267,8 +269,8 @@ def gpu_name(device):
 
 
 def finish_meta(meta, read_probes):
-    """Decode mode: the read bandwidth reported is the median of the probes taken next to the
-    cases (each case's fraction used the median of the probes up to it)."""
+    """Decode mode: the read bandwidth reported is the median of the probes taken between the
+    cases (each case's fraction used the larger of the probes just before and after it)."""
     if meta["mode"] == "decode" and meta["peak"] and read_probes:
         meta["read_probes_gbs"] = read_probes
         meta["peak"] = dict(meta["peak"], read_gbs=statistics.median(read_probes))
@@ -371,7 +373,9 @@ def markdown(meta, rows):
                     "% peak), " if pk.get("bf16_dot_gflops") else "")
                  + "read "
                  f"{pk['read_gbs']:.1f} GB/s"
-                 + (" (median of probes next to the cases)" if meta.get("read_probes_gbs") else "")
+                 + (" (median of the probes between the cases; each row's % peak is against the "
+                    "larger of the probes just before and after it)"
+                    if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"
     where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]
     header = (f"{mode} | {where} | {meta['threads']} threads | torch {meta['torch']} | "

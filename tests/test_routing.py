@@ -81,14 +81,20 @@ def _compare(ours, theirs, ref, dtype, what):
         assert_within_rule(a, b, r, dtype, f"{what} tensor {i}")
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile", "compile-cpp-wrapper"])
-def test_gpt_block_matches_pytorch(mode):
+def _block_and_fp64_reference():
+    """A seeded training-mode Block, its batch, and an fp64 copy's output and gradients."""
     torch.manual_seed(0)
     model = Block().train()
     x, pad = _batch()
     ref_model = Block().double()
     ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
     ref_out, ref_grads = _run_block(ref_model, x.double(), pad)
+    return model, x, pad, ref_out, ref_grads
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile", "compile-cpp-wrapper"])
+def test_gpt_block_matches_pytorch(mode):
+    model, x, pad, ref_out, ref_grads = _block_and_fp64_reference()
 
     def compiled_model():
         if mode == "eager":
@@ -139,12 +145,7 @@ def test_gpt_block_with_dropout_trains(mode):
 def test_gpt_block_under_autocast_bf16(mode):
     """Under autocast(bf16) the block's attention runs flashsdpa's bf16 kernels, forward and
     backward, and outputs / gradients stay within the error rule against PyTorch's own run."""
-    torch.manual_seed(0)
-    model = Block().train()
-    x, pad = _batch()
-    ref_model = Block().double()
-    ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
-    ref_out, ref_grads = _run_block(ref_model, x.double(), pad)
+    model, x, pad, ref_out, ref_grads = _block_and_fp64_reference()
 
     def run(m):
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -102,39 +102,25 @@ struct AmxOps : Avx512Bf16Ops {
     }
   }
 
-  // As gemm_loop (generic_ops.h), with 32-row groups: full 32 x 32 x 32k blocks on the tile
-  // unit, the rest on the vector unit. A is row-major in both cases (see prep_a).
+  // The tiles of gemm_loop (for_each_tile, generic_ops.h) in 32-row groups: full 32 x 32 x 32k
+  // blocks on the tile unit, the rest on the vector unit. A is row-major in both cases (see
+  // prep_a).
   template <bool TransA>
   static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
                    float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
+    for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kk) {
       const float* panel = bp + p * bstride;
-      float* cp = c + p * NR;
-      for (int i = 0; i < M; i += MR) {
-        const int R = M - i < MR ? M - i : MR;
-        int kk = K;
-        if (lim) {
-          const int64_t w = lim->off + i + R;
-          if (lim->on_n) {
-            if (w <= int64_t(p) * NR) continue;
-          } else {
-            kk = int(w < 0 ? 0 : (w > K ? K : w));
-            if (kk == 0) continue;
-          }
-        }
-        const float* ai = a + int64_t(i) * lda;
-        float* ci = cp + int64_t(i) * ldc;
-        const int main = R == MR ? kk / kDepth * kDepth : 0;
-        if (main > 0) amx_block(main, ai, lda, panel, ci, ldc, accumulate);
-        if (main < kk) {  // what is left: rows of a partial block, or the last < 32 inner steps
-          const float* a_rest = reinterpret_cast<const float*>(
-              reinterpret_cast<const uint16_t*>(ai) + main);
-          const float* b_rest = panel + int64_t(main / 2) * NR;  // pair-rows of 32 words
-          vector_rows(R, kk - main, a_rest, lda, b_rest, ci, ldc, accumulate || main > 0);
-        }
+      const float* ai = a + int64_t(i) * lda;
+      float* ci = c + p * NR + int64_t(i) * ldc;
+      const int main = R == MR ? kk / kDepth * kDepth : 0;
+      if (main > 0) amx_block(main, ai, lda, panel, ci, ldc, accumulate);
+      if (main < kk) {  // what is left: rows of a partial block, or the last < 32 inner steps
+        const float* a_rest = reinterpret_cast<const float*>(
+            reinterpret_cast<const uint16_t*>(ai) + main);
+        const float* b_rest = panel + int64_t(main / 2) * NR;  // pair-rows of 32 words
+        vector_rows(R, kk - main, a_rest, lda, b_rest, ci, ldc, accumulate || main > 0);
       }
-    }
+    });
   }
 };
 

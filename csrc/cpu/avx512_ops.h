@@ -53,6 +53,28 @@ inline __m512 exp2_16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The 12-row x 32-column zmm tile of the fp32 (here) and bf16 (avx512bf16_ops.h) micro-kernels,
+// written once: 24 named accumulators c<row><half> (rows 0-9, a, b), a macro applied to every
+// row as M(row name, row index), and the store of the first R rows (added to C when accumulating).
+#define FLASHSDPA_ZMM_TILE_ACCUMULATORS                                         \
+  const __m512 z_ = _mm512_setzero_ps();                                      \
+  __m512 c00 = z_, c01 = z_, c10 = z_, c11 = z_, c20 = z_, c21 = z_, c30 = z_, c31 = z_; \
+  __m512 c40 = z_, c41 = z_, c50 = z_, c51 = z_, c60 = z_, c61 = z_, c70 = z_, c71 = z_; \
+  __m512 c80 = z_, c81 = z_, c90 = z_, c91 = z_, ca0 = z_, ca1 = z_, cb0 = z_, cb1 = z_;
+#define FLASHSDPA_ZMM_TILE_EACH_ROW(M)                                          \
+  M(0, 0) M(1, 1) M(2, 2) M(3, 3) M(4, 4) M(5, 5) M(6, 6) M(7, 7) M(8, 8) M(9, 9) M(a, 10) \
+  M(b, 11)
+#define FLASHSDPA_ZMM_TILE_STORE_ROW(i, n)                              \
+  if (R > n) {                                                        \
+    float* cr = c + int64_t(n) * ldc;                                 \
+    if (accumulate) {                                                 \
+      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
+      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
+    }                                                                 \
+    _mm512_storeu_ps(cr, c##i##0);                                    \
+    _mm512_storeu_ps(cr + 16, c##i##1);                               \
+  }
+
 struct Avx512Ops : Avx2Ops {
   static constexpr int NR = 32;  // panel width: 2 zmm
   static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
@@ -120,10 +142,7 @@ struct Avx512Ops : Avx2Ops {
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
-    const __m512 z = _mm512_setzero_ps();
-    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
-    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
-    __m512 c80 = z, c81 = z, c90 = z, c91 = z, ca0 = z, ca1 = z, cb0 = z, cb1 = z;
+    FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
     const float* a0 = a;
 #define FLASHSDPA_ROW(i, n)                                            \
@@ -136,25 +155,10 @@ struct Avx512Ops : Avx2Ops {
     for (int kk = 0; kk < K; ++kk, a0 += step_k) {
       const __m512 b0 = _mm512_load_ps(panel + kk * NR);
       const __m512 b1 = _mm512_load_ps(panel + kk * NR + 16);
-      FLASHSDPA_ROW(0, 0) FLASHSDPA_ROW(1, 1) FLASHSDPA_ROW(2, 2) FLASHSDPA_ROW(3, 3)
-      FLASHSDPA_ROW(4, 4) FLASHSDPA_ROW(5, 5) FLASHSDPA_ROW(6, 6) FLASHSDPA_ROW(7, 7)
-      FLASHSDPA_ROW(8, 8) FLASHSDPA_ROW(9, 9) FLASHSDPA_ROW(a, 10) FLASHSDPA_ROW(b, 11)
+      FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-#define FLASHSDPA_STORE(i, n)                                          \
-  if (R > n) {                                                        \
-    float* cr = c + int64_t(n) * ldc;                                 \
-    if (accumulate) {                                                 \
-      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
-      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
-    }                                                                 \
-    _mm512_storeu_ps(cr, c##i##0);                                    \
-    _mm512_storeu_ps(cr + 16, c##i##1);                               \
-  }
-    FLASHSDPA_STORE(0, 0) FLASHSDPA_STORE(1, 1) FLASHSDPA_STORE(2, 2) FLASHSDPA_STORE(3, 3)
-    FLASHSDPA_STORE(4, 4) FLASHSDPA_STORE(5, 5) FLASHSDPA_STORE(6, 6) FLASHSDPA_STORE(7, 7)
-    FLASHSDPA_STORE(8, 8) FLASHSDPA_STORE(9, 9) FLASHSDPA_STORE(a, 10) FLASHSDPA_STORE(b, 11)
-#undef FLASHSDPA_STORE
+    FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ZMM_TILE_STORE_ROW)
   }
 
   template <bool TransA>

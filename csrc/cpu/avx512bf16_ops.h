@@ -192,10 +192,7 @@ struct Avx512Bf16Ops : Avx512Ops {
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
-    const __m512 z = _mm512_setzero_ps();
-    __m512 c00 = z, c01 = z, c10 = z, c11 = z, c20 = z, c21 = z, c30 = z, c31 = z;
-    __m512 c40 = z, c41 = z, c50 = z, c51 = z, c60 = z, c61 = z, c70 = z, c71 = z;
-    __m512 c80 = z, c81 = z, c90 = z, c91 = z, ca0 = z, ca1 = z, cb0 = z, cb1 = z;
+    FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const uint32_t* A = reinterpret_cast<const uint32_t*>(a);  // pairs
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;  // in pairs
     const uint16_t* B = bf16_words(panel);
@@ -210,25 +207,10 @@ struct Avx512Bf16Ops : Avx512Ops {
     for (int kp = 0; kp < kp_n; ++kp) {
       const __m512bh b0 = (__m512bh)_mm512_load_si512(B + kp * 2 * NR);
       const __m512bh b1 = (__m512bh)_mm512_load_si512(B + kp * 2 * NR + 32);
-      FLASHSDPA_ROW(0, 0) FLASHSDPA_ROW(1, 1) FLASHSDPA_ROW(2, 2) FLASHSDPA_ROW(3, 3)
-      FLASHSDPA_ROW(4, 4) FLASHSDPA_ROW(5, 5) FLASHSDPA_ROW(6, 6) FLASHSDPA_ROW(7, 7)
-      FLASHSDPA_ROW(8, 8) FLASHSDPA_ROW(9, 9) FLASHSDPA_ROW(a, 10) FLASHSDPA_ROW(b, 11)
+      FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-#define FLASHSDPA_STORE(i, n)                                          \
-  if (R > n) {                                                        \
-    float* cr = c + int64_t(n) * ldc;                                 \
-    if (accumulate) {                                                 \
-      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
-      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
-    }                                                                 \
-    _mm512_storeu_ps(cr, c##i##0);                                    \
-    _mm512_storeu_ps(cr + 16, c##i##1);                               \
-  }
-    FLASHSDPA_STORE(0, 0) FLASHSDPA_STORE(1, 1) FLASHSDPA_STORE(2, 2) FLASHSDPA_STORE(3, 3)
-    FLASHSDPA_STORE(4, 4) FLASHSDPA_STORE(5, 5) FLASHSDPA_STORE(6, 6) FLASHSDPA_STORE(7, 7)
-    FLASHSDPA_STORE(8, 8) FLASHSDPA_STORE(9, 9) FLASHSDPA_STORE(a, 10) FLASHSDPA_STORE(b, 11)
-#undef FLASHSDPA_STORE
+    FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ZMM_TILE_STORE_ROW)
   }
 
   template <bool TransA>

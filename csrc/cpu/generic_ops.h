@@ -92,15 +92,14 @@ inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* 
 // The panel / row-group loops around a trait's micro-tile, shared by every tier:
 // C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
 // B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart.
-// Panel-outer order: a B panel stays in L1 while every row group uses it.
-template <class Ops, bool TransA>
-inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
-                      int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
-  constexpr int NR = Ops::NR, MR = Ops::MR;
+// The micro-tiles of C[M][N] in panel-outer order (a B panel stays in L1 while every row group
+// uses it): f(p, i, R, kk) for panel p, rows [i, i + R) (R <= MR), inner depth kk. Under a
+// RowLimit (causal tiles) a group skips the panels (on_n) or the inner steps (!on_n) its last
+// row cannot see; groups with nothing to do are skipped.
+template <int NR, int MR, class F>
+inline void for_each_tile(int M, int N, int K, const RowLimit* lim, F&& f) {
   const int np = int(ceil_div(N, NR));
   for (int p = 0; p < np; ++p) {
-    const float* panel = bp + p * bstride;
-    float* cp = c + p * NR;
     for (int i = 0; i < M; i += MR) {
       const int R = M - i < MR ? M - i : MR;
       int kk = K;
@@ -113,11 +112,20 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
           if (kk == 0) continue;
         }
       }
-      const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-      micro_tile_rows<Ops, TransA, MR>(R, kk, ai, lda, panel, cp + int64_t(i) * ldc, ldc,
-                                       accumulate);
+      f(p, i, R, kk);
     }
   }
+}
+
+template <class Ops, bool TransA>
+inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
+                      int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kk) {
+    const float* ai = TransA ? a + i : a + int64_t(i) * lda;
+    micro_tile_rows<Ops, TransA, MR>(R, kk, ai, lda, bp + p * bstride,
+                                     c + p * NR + int64_t(i) * ldc, ldc, accumulate);
+  });
 }
 
 // The trait the decode path uses (a tier whose operand format does not suit the short-query

@@ -147,13 +147,35 @@ def kv_prepack(request):
     ((2, 4, 2, 300, 300, 40, 40), True),    # causal cut inside pre-packed blocks, GQA
     ((1, 2, 2, 5, 700, 24, 33), False),     # one q block, several kv blocks, Dv != D
     ((1, 3, 3, 257, 129, 64, 64), True),    # Lq > Lk
-], ids=["causal-gqa", "short-q", "long-q"])
+    ((1, 4, 2, 600, 520, 32, 32), True),    # several q blocks per head (zigzag) reuse a head
+], ids=["causal-gqa", "short-q", "long-q", "q-blocks"])
 def test_kv_prepack_paths(tier, kv_prepack, shape, causal, dtype):
     B, Hq, Hkv, L, S, D, Dv = shape
     q, k, v = make_qkv(B, Hq, Hkv, L, S, D, Dv, dtype=dtype)
     mask = torch.randn(L, S)
     check_forward_backward(q, k, v, dtype, f"{tier} prepack={kv_prepack}", is_causal=causal,
                            attn_mask=mask, backward=False)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kv_packing_does_not_change_results(tier, causal):
+    """Packing K / V per q block or once by the PackKV phase gives bit-identical outputs, on 1
+    and 2 threads."""
+    from flashsdpa import _C
+    q, k, v = make_qkv(2, 6, 3, 700, 650, 40, 24)
+    outs = {}
+    try:
+        for mode in ("never", "always"):
+            _C.set_kv_prepack(mode)
+            for threads in (1, 2):
+                with num_threads(threads):
+                    outs[mode, threads] = flashsdpa.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal, enable_gqa=True)
+    finally:
+        _C.set_kv_prepack("auto")
+    ref = outs["never", 1]
+    for key, out in outs.items():
+        assert torch.equal(out, ref), f"{tier}: {key} differs from per-block packing"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

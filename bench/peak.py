@@ -3,8 +3,8 @@
 Compiles bench/peak_probe.c once per ISA variant the CPU runs (sse2, avx2+fma, avx512f) with the
 system C compiler, runs it on `threads` threads, and reports GFLOP/s per variant and the read
 bandwidth. The machine's FMA peak is the fastest variant; on CPUs with AVX512-BF16 a vdpbf16ps
-probe gives the bf16 dot-product peak (bf16 products accumulated in fp32). bench_sdpa.py reports every kernel as a
-fraction of these numbers.
+probe gives the bf16 dot-product peak (bf16 products accumulated in fp32). bench_sdpa.py reports
+every kernel as a fraction of these numbers.
 
     python bench/peak.py [--threads N] [--json out.json]
 """
@@ -58,22 +58,25 @@ def measure_read(threads, read_mib=1024):
     return _run(_binary(runnable_variants()[-1]), "read", threads, read_mib)
 
 
-def runnable_variants():
+def _cpu_features():
+    """flashsdpa's CPUID / XCR0 report, or None when flashsdpa is not built."""
     try:
         from flashsdpa import _C
-        feats = _C.cpu_features()
-    except ImportError:  # flashsdpa not built: only the baseline is known to be safe
+    except ImportError:
+        return None
+    return _C.cpu_features()
+
+
+def runnable_variants():
+    feats = _cpu_features()
+    if feats is None:  # flashsdpa not built: only the baseline is known to be safe
         return ["sse2"]
     return [v for v, (_, needs) in VARIANTS.items() if all(feats.get(k) for k in needs)]
 
 
 def has_bf16_dot():
-    try:
-        from flashsdpa import _C
-        feats = _C.cpu_features()
-    except ImportError:
-        return False
-    return all(feats.get(k) for k in BF16_VARIANT[2])
+    feats = _cpu_features()
+    return feats is not None and all(feats.get(k) for k in BF16_VARIANT[2])
 
 
 def measure(threads=None, fma_seconds=0.5, read_mib=1024):

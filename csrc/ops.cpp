@@ -50,9 +50,9 @@ double thread_busy(int64_t n_items) {
 // unless those items leave threads idle (the two-sweep alternative does 7/5 of the gemm work).
 bool fused_backward_pays(int64_t n_items) { return thread_busy(n_items) >= 5.0 / 7.0 * 1.1; }
 
-// Forward over a short sequence: one q block per (batch, head) spanning every query row (no
-// K/V pre-pack phase, each head's K/V panels packed once into the thread's own scratch) is
-// 3-12% faster than q blocks of the tier's size (measured: avx2, avx512, avx512_bf16; L 256-512,
+// Forward over a short sequence: one q block per (batch, head) spanning every query row (each
+// kv block's panels packed once, into the thread's own scratch; no K/V pre-pack phase unless
+// GQA heads share them) is 3-12% faster than q blocks of the tier's size (measured: avx2, avx512, avx512_bf16; L 256-512,
 // D 64 and 128, causal and not; L = 1024 was 1% slower), when those B * H items keep the threads
 // busy. Which q blocking runs never changes a result: every output row is the same sum in the
 // same order whichever block holds it.

@@ -25,9 +25,10 @@ struct FlashDecode {
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
   // Splits per (b, kv head): enough for about kTargetItems items in all, no more (each split
-  // restarts the K / V streams and adds a partial to merge). Interleaved A/B, 2 threads: GQA
-  // (1,32/8,8192,128) bf16 with 8 splits instead of 32 +7%, MHA bf16 (1,32,4096) 2 instead of
-  // 16 +3%, fp32 unchanged. A shape-only choice, so results never depend on the thread count.
+  // restarts the K / V streams and adds a partial to merge). Interleaved A/B against up to 32
+  // splits per head over the decode suite, 2 threads: fp32 +0-10% (GQA (1,32/8,8192,128), 8
+  // splits instead of 32: +10%), bf16 +1-6%, no case slower. A shape-only choice, so results
+  // never depend on the thread count.
   static constexpr int64_t kTargetItems = 64;
 
   static int64_t rows(const AttnParams& p) { return (p.Hq / p.Hkv) * p.Lq; }

@@ -34,14 +34,31 @@ def test_decode_q_lens(tier, lq, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("group,lq,D", [(3, 1, 20), (3, 2, 20), (7, 1, 36), (5, 2, 8), (1, 3, 13)])
+@pytest.mark.parametrize("group,lq,D", [(3, 1, 20), (3, 2, 20), (7, 1, 36), (5, 2, 8), (1, 3, 13),
+                                         (1, 1, 160), (1, 2, 130), (4, 1, 100), (5, 1, 200)])
 def test_decode_row_groups(tier, group, lq, dtype, D):
     """Folded row counts M = group * lq that leave every remainder of the 4-row Q.K kernel and
-    of the 6-row P.V kernel, with head dims that end in a partial vector."""
-    q, k, v = make_qkv(1, 2 * group, 2, lq, 700, D, dtype=dtype, seed=group * 10 + lq)
+    of the 6-row P.V kernels, with head dims that end in a partial vector or take every pass
+    width of the P.V kernels (128 / 64 / 32 / 16 dims, then the rest). 701 keys: the last
+    block has an odd key count (the bf16 P.V kernel takes keys in pairs)."""
+    q, k, v = make_qkv(1, 2 * group, 2, lq, 701, D, dtype=dtype, seed=group * 10 + lq)
     assert decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     check_forward_backward(q, k, v, dtype, f"{tier} decode M={group * lq} D={D}",
                            backward=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("group,D", [(1, 128), (4, 64), (6, 96)])
+@pytest.mark.parametrize("S", [257, 701])
+def test_decode_last_key_weighs(tier, decode_path, group, D, S, dtype):
+    """The last key of an odd-sized last block (the bf16 P.V kernel pairs keys) carries a large
+    share of every row's weight (a float mask favours it), so dropping or mis-pairing it
+    cannot hide inside the tolerance."""
+    q, k, v = make_qkv(1, 2 * group, 2, 1, S, D, dtype=dtype, seed=S + D)
+    mask = torch.full((1, 1, 1, S), -5.0)
+    mask[..., -1] = 0.0
+    check_forward_backward(q, k, v, dtype, f"{tier} last key S={S} M={group} D={D}",
+                           attn_mask=mask, enable_gqa=True, backward=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)

@@ -1,8 +1,7 @@
 // The AVX512-BF16 trait (bf16 inputs only): every GEMM of the forward and backward runs on
 // vdpbf16ps, which multiplies bf16 pairs and accumulates in fp32, twice the multiply-adds per
 // instruction of an fp32 FMA. Softmax, statistics and accumulators stay fp32. The decode path
-// (Avx512Bf16DecodeOps below) runs Q . K on vdpbf16ps straight from the K rows and P V with V
-// widened to fp32.
+// (Avx512Bf16DecodeOps below) runs Q . K and P V on vdpbf16ps straight from the K / V rows.
 //
 // Operand formats (the algorithm only sees float* buffers; this trait decides what is in them):
 //   A rows  bf16, row-major, pairs along the inner dimension adjacent, each row at the byte
@@ -221,7 +220,8 @@ struct Avx512Bf16Ops : Avx512Ops {
 };
 
 // The decode path of this tier: Q . K on vdpbf16ps (bf16 Q rows, unscaled; K rows read in place
-// as bf16 pairs along the head dim), P V as in the AVX-512 trait (V widened, P in fp32).
+// as bf16 pairs along the head dim), P V on vdpbf16ps with P rounded to bf16 (V rows unpacked
+// into key pairs in registers).
 struct Avx512Bf16DecodeOps : Avx512Ops {
   static constexpr bool kScaleInA = false;
 
@@ -302,6 +302,147 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
         float sum = 0.0f;
         for (int d = 0; d < D; ++d) sum += bf16_to_f32(qr[d]) * to_f32(kj[d]);
         s[int64_t(r) * lds + j] = sum;
+      }
+    }
+  }
+
+  // ---- P V on vdpbf16ps -------------------------------------------------------------------
+  // acc[r] += sum_j p[r][j] V[j], two keys per instruction: P rounded to bf16 (as the prefill
+  // path's P V GEMM does), V rows read in place. Unpacking rows j and j+1 makes 32-bit words
+  // (V[j][d], V[j+1][d]); against the broadcast pair (p[r][j], p[r][j+1]) one vdpbf16ps adds
+  // both keys' terms for 16 dims. Per pair of keys and 32 dims: 2 loads and 2 unpacks shared by
+  // all R rows, then 2 vdpbf16ps per row (the widening path: 4 widened loads + 8 FMAs per row).
+  // Unpacking works within 128-bit lanes, so a chunk's accumulators hold its 32 dims in unpack
+  // order - lo lane k is dim 8 (k / 4) + k % 4, hi lane k that + 4 - and are permuted once per
+  // call, on load and store.
+  static inline __m512i pv_idx_lo() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  }
+  static inline __m512i pv_idx_hi() {
+    return _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  }
+  // the inverse: natural dims 0..15 and 16..31 from (lo, hi) (index bit 4 selects hi)
+  static inline __m512i pv_idx_out0() {
+    return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  }
+  static inline __m512i pv_idx_out1() {
+    return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+
+  // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
+  // With `prefetch`, each line this pass reads is prefetched for the same rows of the next
+  // block (nk keys on), as the widening path does.
+  template <int R, int C>
+  static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
+                              int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
+    __m512 lo[R][C], hi[R][C];
+    const __m512i il = pv_idx_lo(), ih = pv_idx_hi();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
+        const __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16);
+        lo[r][c] = _mm512_permutex2var_ps(n0, il, n1);
+        hi[r][c] = _mm512_permutex2var_ps(n0, ih, n1);
+      }
+    const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
+      __m512i ul[C], uh[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m512i x = _mm512_loadu_si512(va + 32 * c);
+        const __m512i y = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+        ul[c] = _mm512_unpacklo_epi16(x, y);
+        uh[c] = _mm512_unpackhi_epi16(x, y);
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pw[int64_t(r) * ldpw + jp]));
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, (__m512bh)ul[c]);
+          hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, (__m512bh)uh[c]);
+        }
+      }
+    };
+    const int np = nk / 2;
+    for (int jp = 0; jp < np; ++jp) {
+      const uint16_t* va = v + int64_t(2 * jp) * ldv + d0;
+      if (prefetch)
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) {
+          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + 32 * c), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + 32 * c), _MM_HINT_T1);
+        }
+      step(va, va + ldv, jp);
+    }
+    if (nk & 1) step(v + int64_t(nk - 1) * ldv + d0, nullptr, np);  // the last key: pair (V, 0)
+    const __m512i o0 = pv_idx_out0(), o1 = pv_idx_out1();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
+        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], o0, hi[r][c]));
+        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], o1, hi[r][c]));
+      }
+  }
+
+  // Rows in groups of up to 6; per group the dims in chunks of 128 (one or two rows: 8 or 16
+  // accumulators) or 64 (more rows: up to 24), then 32; dims past the last whole 32 take the
+  // widening path on the fp32 P.
+  template <int R>
+  static void pv_group(const uint16_t* v, int64_t ldv, int nk, int Dv, const uint32_t* pw,
+                       int ldpw, float* acc, int ldacc, bool prefetch) {
+    constexpr int C = R <= 2 ? 4 : 2;
+    const int d32 = Dv & ~31;
+    int d0 = 0;
+    for (; d0 + 32 * C <= d32; d0 += 32 * C)
+      pv_pairs<R, C>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+    for (; d0 < d32; d0 += 32) pv_pairs<R, 1>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+  }
+
+  static constexpr int kPvKeys = 256;  // keys per pass (the P pairs of 6 rows on the stack)
+
+  template <class T>
+  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    if constexpr (!std::is_same<T, bf16_t>::value) {  // other dtypes never run on this tier
+      Avx512Ops::decode_pv(v, ldv, nk, Dv, p, ldp, M, acc, ldacc);
+    } else {
+      prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
+      const int d32 = Dv & ~31;
+      constexpr int ldpw = kPvKeys / 2 + 8;
+      alignas(64) uint32_t pw[6 * ldpw];
+      for (int j0 = 0; j0 < nk; j0 += kPvKeys) {
+        const int n = nk - j0 < kPvKeys ? nk - j0 : kPvKeys;
+        for (int r = 0; r < M; r += 6) {
+          const int R = M - r < 6 ? M - r : 6;
+          for (int i = 0; i < R; ++i) {  // P rows -> bf16, an odd count padded with a 0
+            const float* pr = p + int64_t(r + i) * ldp + j0;
+            uint16_t* d = reinterpret_cast<uint16_t*>(pw + i * ldpw);
+            for (int j = 0; j < n; j += 16) {
+              const int t = n - j < 16 ? n - j : 16;
+              const __m512 x = _mm512_maskz_loadu_ps(__mmask16((1u << t) - 1u), pr + j);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), cvt16_bf16(x));
+            }
+          }
+          const uint16_t* vj = vb + int64_t(j0) * ldv;
+          float* ar = acc + int64_t(r) * ldacc;
+          const bool pf = r == 0;
+          switch (R) {
+            case 6: pv_group<6>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+            case 5: pv_group<5>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+            case 4: pv_group<4>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+            case 3: pv_group<3>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+            case 2: pv_group<2>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+            default: pv_group<1>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
+          }
+        }
+        if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
+          Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,
+                               acc + d32, ldacc);
       }
     }
   }

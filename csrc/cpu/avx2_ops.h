@@ -284,8 +284,16 @@ struct Avx2Ops : GenericOps {
         _mm256_storeu_ps(s + j, x);
         mx = _mm256_max_ps(mx, x);
       }
-    } else {
+    } else {  // four independent max chains (one chain waits on vmaxps latency)
+      __m256 m1 = ninf, m2 = ninf, m3 = ninf;
+      for (; j + 32 <= valid; j += 32) {
+        mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + j + 8));
+        m2 = _mm256_max_ps(m2, _mm256_loadu_ps(s + j + 16));
+        m3 = _mm256_max_ps(m3, _mm256_loadu_ps(s + j + 24));
+      }
       for (; j + 8 <= valid; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+      mx = _mm256_max_ps(_mm256_max_ps(mx, m1), _mm256_max_ps(m2, m3));
     }
     if (j < valid) {  // the vector holding column `valid`
       __m256 x = _mm256_loadu_ps(s + j);

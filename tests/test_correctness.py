@@ -64,6 +64,31 @@ def test_scale_and_large_scores(tier, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("growth", [4.0, 40.0, 400.0], ids=["rescale", "large", "overflow"])
+def test_scores_grow_along_the_keys(tier, growth, dtype):
+    """Each kv block's scores far above the last's: the fp32 AVX-512 forward computes a block's
+    exponentials against the running max of the earlier blocks, then rescales a row whose block
+    sum passes 2^16 (every later block here) or redoes the block in two passes when the sum
+    overflows (growth 400: scores in the thousands)."""
+    q, k, v = make_qkv(1, 2, 2, 40, 1100, 64, dtype=dtype, seed=int(growth))
+    k = k.clone()
+    for j in range(1, 5):  # kv blocks of 256 keys at D = 64
+        k[:, :, 256 * j:256 * (j + 1)] *= 1 + growth * j / 4
+    check_forward_backward(q, k, v, dtype, f"{tier} growing scores x{growth}")
+
+
+def test_nan_key_in_a_later_block(tier):
+    """A NaN in a later kv block reaches exactly the rows that see it, as in PyTorch."""
+    q, k, v = make_qkv(1, 2, 2, 30, 700, 32)
+    k = k.clone()
+    k[0, 1, 600, 3] = float("nan")
+    out = flashsdpa.scaled_dot_product_attention(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(out.isnan(), ref.isnan()) and bool(out[0, 1].isnan().all())
+    torch.testing.assert_close(out[0, 0], ref[0, 0], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_3d_inputs(tier, dtype):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(3, 29, 16, generator=g).to(dtype)

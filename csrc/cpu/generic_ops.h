@@ -75,18 +75,19 @@ struct RowLimit {
 };
 
 // Calls Ops::micro_tile<TransA, r> for a run-time row count r in [1, R].
-template <class Ops, bool TransA, int R>
+template <class Ops, bool TransA, int R, bool kExp = false>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
-                            int ldc, bool accumulate) {
-  if constexpr (R == 1) {
-    Ops::template micro_tile<TransA, 1>(K, a, lda, panel, c, ldc, accumulate);
-  } else {
-    if (r == R) {
-      Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
-    } else {
-      micro_tile_rows<Ops, TransA, R - 1>(r, K, a, lda, panel, c, ldc, accumulate);
-    }
+                            int ldc, bool accumulate, const float* mref = nullptr,
+                            float* sumv = nullptr) {
+  if constexpr (R > 1) {
+    if (r != R)
+      return micro_tile_rows<Ops, TransA, R - 1, kExp>(r, K, a, lda, panel, c, ldc, accumulate,
+                                                      mref, sumv);
   }
+  if constexpr (kExp)
+    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, mref, sumv);
+  else
+    Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
 }
 
 // The panel / row-group loops around a trait's micro-tile, shared by every tier:
@@ -128,6 +129,23 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
   });
 }
 
+// The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
+// trait with kFusedExp (its micro_tile<false, R, true> stores 2^(C - mref[row]) and adds each
+// row's vectors to sumv + 16 row): N a multiple of NR, every row sees every column, sumv zeroed
+// by the caller. Saves the separate max and exp passes over S, and the exp work of a tile
+// overlaps the next tile's FMAs. (flash_fwd.h: the reference is the running max of the earlier
+// blocks.)
+template <class Ops>
+inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
+                          int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+    micro_tile_rows<Ops, false, MR, true>(R, kk, a + int64_t(i) * lda, lda, bp + p * bstride,
+                                          c + p * NR + int64_t(i) * ldc, ldc, false, mref + i,
+                                          sumv + 16 * int64_t(i));
+  });
+}
+
 // The trait the decode path uses (a tier whose operand format does not suit the short-query
 // kernels specialises this to an fp32 trait).
 template <class Ops>
@@ -143,6 +161,9 @@ struct GenericOps {
   // prep_a (a tier with another operand format converts them; fp32 tiers use them in place).
   static constexpr bool kScaleInA = true;
   static constexpr bool kPrepA = false;
+  // kFusedExp: the trait has gemm_exp, the S GEMM with the softmax's exponentials fused into
+  // its tile stores (flash_fwd.h; Avx512Ops).
+  static constexpr bool kFusedExp = false;
 
   // Called by each thread before and after a run of work items (per-thread CPU state, such as
   // the AMX tile configuration).

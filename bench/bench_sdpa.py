@@ -159,8 +159,9 @@ def make_step(fn, q, k, v, causal, gqa, mode):
     return step
 
 
-def time_case(steps, repeats, target_s=0.02):
-    """Interleaved medians: {provider: [seconds per call, ...]}."""
+def time_case(steps, repeats, target_s=0.02, between=None):
+    """Interleaved medians: {provider: [seconds per call, ...]}. `between` (if given) runs after
+    each round of the providers (decode mode: a read-bandwidth probe)."""
     inner = {}
     for name, step in steps.items():  # warm-up, and calls per sample so a sample is ~target_s
         t0 = time.perf_counter()
@@ -175,6 +176,8 @@ def time_case(steps, repeats, target_s=0.02):
             for _ in range(n):
                 step()
             samples[name].append((time.perf_counter() - t0) / n)
+        if between:
+            between()
     return samples
 
 
@@ -227,7 +230,7 @@ def run(args):
         "peak": pk,
     }
     rows = []
-    read_probes = [pk["read_gbs"]] if pk else []
+    read_probes = []  # decode mode: per case, the probes taken between its timing rounds
     started = time.perf_counter()
     for (B, Hq, Hkv, L, D) in shapes:
         for dtype in dtypes:
@@ -243,15 +246,20 @@ def run(args):
                 gqa = Hq != Hkv
                 steps = {p: make_step(provider(p), q, k, v, causal, gqa, args.mode)
                          for p in providers}
-                samples = time_case(steps, args.repeats)
+                # memory bandwidth on a shared machine drifts by 1.5x within minutes: in decode
+                # mode a read probe runs after each round of the providers, and each case is
+                # measured against the median of its own probes (the bandwidth of its own time)
+                probing = args.mode == "decode" and pk and not gpu
+                probes = []
+                samples = time_case(
+                    steps, args.repeats,
+                    between=(lambda: probes.append(peak.measure_read(threads,
+                                                                     args.peak_read_mib)))
+                    if probing else None)
                 case_pk = pk
-                if args.mode == "decode" and pk and not gpu:
-                    # memory bandwidth on a shared machine drifts by 1.5x within minutes: each
-                    # case is measured against the bandwidth of its own time, the larger of the
-                    # probes taken just before and just after it
-                    before = read_probes[-1]
-                    read_probes.append(peak.measure_read(threads, args.peak_read_mib))
-                    case_pk = dict(pk, read_gbs=max(before, read_probes[-1]))
+                if probing:
+                    read_probes.append(probes)
+                    case_pk = dict(pk, read_gbs=statistics.median(probes))
                 rows += summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples,
                                   case_pk)
                 if args.budget and time.perf_counter() - started > args.budget:
@@ -269,11 +277,12 @@ def gpu_name(device):
 
 
 def finish_meta(meta, read_probes):
-    """Decode mode: the read bandwidth reported is the median of the probes taken between the
-    cases (each case's fraction used the larger of the probes just before and after it)."""
+    """Decode mode: the read bandwidth reported is the median of every probe; read_probes_gbs
+    lists each case's probes (taken between its timing rounds; its fraction used their median)."""
     if meta["mode"] == "decode" and meta["peak"] and read_probes:
         meta["read_probes_gbs"] = read_probes
-        meta["peak"] = dict(meta["peak"], read_gbs=statistics.median(read_probes))
+        meta["peak"] = dict(meta["peak"],
+                            read_gbs=statistics.median(x for c in read_probes for x in c))
     return meta
 
 
@@ -373,8 +382,8 @@ def markdown(meta, rows):
                     "% peak), " if pk.get("bf16_dot_gflops") else "")
                  + "read "
                  f"{pk['read_gbs']:.1f} GB/s"
-                 + (" (median of the probes between the cases; each row's % peak is against the "
-                    "larger of the probes just before and after it)"
+                 + (" (median of all probes; each row's % peak is against the median of the "
+                    "probes taken between its own timing rounds)"
                     if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"
     where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]

@@ -40,13 +40,14 @@ def test_bench_tiny_run(tmp_path, mode):
                 assert abs(r["frac_peak"] - r["GFLOP/s"] / rate) < 1e-9, r
     else:
         assert pk["bf16_dot_gflops"] is None
-    if mode == "decode":  # each case against the larger of the probes just before and after it
+    if mode == "decode":  # each case against the median of the probes between its rounds
+        import statistics
         probes = data["meta"]["read_probes_gbs"]
         cases = list(dict.fromkeys((r["B"], r["Hq"], r["S"], r["dtype"]) for r in data["rows"]))
-        assert len(probes) == len(cases) + 1
+        assert len(probes) == len(cases) and all(len(c) == 2 for c in probes)  # --repeats 2
         for r in data["rows"]:
             c = cases.index((r["B"], r["Hq"], r["S"], r["dtype"]))
-            assert abs(r["frac_peak"] - r["GB/s"] / max(probes[c], probes[c + 1])) < 1e-9, r
+            assert abs(r["frac_peak"] - r["GB/s"] / statistics.median(probes[c])) < 1e-9, r
     assert data["meta"]["cpu"] and data["meta"]["threads"] >= 1
     providers = {r["provider"] for r in data["rows"]}
     assert providers == {"flashsdpa", "torch_flash", "torch_math"}

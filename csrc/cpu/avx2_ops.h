@@ -312,16 +312,9 @@ struct Avx2Ops : GenericOps {
         _mm256_storeu_ps(s + j, x);
         mx = _mm256_max_ps(mx, x);
       }
-    } else {  // four independent max chains (one chain waits on vmaxps latency)
-      __m256 m1 = ninf, m2 = ninf, m3 = ninf;
-      for (; j + 32 <= valid; j += 32) {
-        mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(s + j + 8));
-        m2 = _mm256_max_ps(m2, _mm256_loadu_ps(s + j + 16));
-        m3 = _mm256_max_ps(m3, _mm256_loadu_ps(s + j + 24));
-      }
-      for (; j + 8 <= valid; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-      mx = _mm256_max_ps(_mm256_max_ps(mx, m1), _mm256_max_ps(m2, m3));
+    } else {
+      mx = max_chains<8>(s, j, valid, mx, [](const float* x) { return _mm256_loadu_ps(x); },
+                         [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); });
     }
     if (j < valid) {  // the vector holding column `valid`
       __m256 x = _mm256_loadu_ps(s + j);
@@ -507,14 +500,9 @@ struct Avx2Ops : GenericOps {
       float* ar = acc + int64_t(r) * ldacc;
       const bool pf = r == 0;
       for (int d0 = d64; d0 < d16; d0 += 16) {
-        switch (R) {
-          case 6: pv_rows16<T, 6>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-          case 5: pv_rows16<T, 5>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-          case 4: pv_rows16<T, 4>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-          case 3: pv_rows16<T, 3>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-          case 2: pv_rows16<T, 2>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-          default: pv_rows16<T, 1>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf); break;
-        }
+        with_rows<6>(R, [&](auto rows) {
+          pv_rows16<T, decltype(rows)::value>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf);
+        });
       }
       if (d16 < Dv)  // the last dims, fewer than 16
         GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);

@@ -205,16 +205,9 @@ struct Avx512Ops : Avx2Ops {
         _mm512_storeu_ps(s + j, x);
         mx = _mm512_max_ps(mx, x);
       }
-    } else {  // four independent max chains (one chain waits on vmaxps latency)
-      __m512 m1 = ninf, m2 = ninf, m3 = ninf;
-      for (; j + 64 <= valid; j += 64) {
-        mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-        m1 = _mm512_max_ps(m1, _mm512_loadu_ps(s + j + 16));
-        m2 = _mm512_max_ps(m2, _mm512_loadu_ps(s + j + 32));
-        m3 = _mm512_max_ps(m3, _mm512_loadu_ps(s + j + 48));
-      }
-      for (; j + 16 <= valid; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
-      mx = _mm512_max_ps(_mm512_max_ps(mx, m1), _mm512_max_ps(m2, m3));
+    } else {
+      mx = max_chains<16>(s, j, valid, mx, [](const float* x) { return _mm512_loadu_ps(x); },
+                          [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
     }
     if (j < valid) {  // the vector holding column `valid`
       const __mmask16 keep = tail_mask16(valid - j);
@@ -324,14 +317,9 @@ struct Avx512Ops : Avx2Ops {
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
       const bool pf = r == 0;
-      switch (M - r < 6 ? M - r : 6) {
-        case 6: pv_zmm_group<T, 6>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-        case 5: pv_zmm_group<T, 5>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-        case 4: pv_zmm_group<T, 4>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-        case 3: pv_zmm_group<T, 3>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-        case 2: pv_zmm_group<T, 2>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-        default: pv_zmm_group<T, 1>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf); break;
-      }
+      with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
+        pv_zmm_group<T, decltype(rows)::value>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf);
+      });
     }
   }
 

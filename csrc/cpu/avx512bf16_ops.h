@@ -432,14 +432,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
           const uint16_t* vj = vb + int64_t(j0) * ldv;
           float* ar = acc + int64_t(r) * ldacc;
           const bool pf = r == 0;
-          switch (R) {
-            case 6: pv_group<6>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-            case 5: pv_group<5>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-            case 4: pv_group<4>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-            case 3: pv_group<3>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-            case 2: pv_group<2>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-            default: pv_group<1>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf); break;
-          }
+          with_rows<6>(R, [&](auto rows) {
+            pv_group<decltype(rows)::value>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf);
+          });
         }
         if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
           Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,

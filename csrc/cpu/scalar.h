@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
+
 namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
@@ -160,6 +162,31 @@ inline void dropout_keep_row(uint64_t seed, uint64_t offset, uint64_t bh, int64_
                                     k0, k1);
     for (int w = int(j & 3); w < 4 && j < end; ++w, ++j) keep[j - j0] = r.v[w] >= threshold;
   }
+}
+
+// f(std::integral_constant<int, R>{}) for a run-time row count r in [1, N]: the dispatch of
+// the row-templated kernels (decode P.V row groups).
+template <int N, class F>
+inline void with_rows(int r, F&& f) {
+  if constexpr (N > 1) {
+    if (r < N) return with_rows<N - 1>(r, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+// max(mx, s[j..valid)) over whole vectors of W lanes (load / vmax: the ISA's unaligned load and
+// max), j advanced past them: four independent chains (one would wait on the max latency).
+template <int W, class V, class Load, class Max>
+inline V max_chains(const float* s, int& j, int valid, V mx, Load load, Max vmax) {
+  V m1 = mx, m2 = mx, m3 = mx;
+  for (; j + 4 * W <= valid; j += 4 * W) {
+    mx = vmax(mx, load(s + j));
+    m1 = vmax(m1, load(s + j + W));
+    m2 = vmax(m2, load(s + j + 2 * W));
+    m3 = vmax(m3, load(s + j + 3 * W));
+  }
+  for (; j + W <= valid; j += W) mx = vmax(mx, load(s + j));
+  return vmax(vmax(mx, m1), vmax(m2, m3));
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

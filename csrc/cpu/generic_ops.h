@@ -74,7 +74,8 @@ struct RowLimit {
   bool on_n;
 };
 
-// Calls Ops::micro_tile<TransA, r> for a run-time row count r in [1, R].
+// Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop) for a
+// run-time row count r in [1, R].
 template <class Ops, bool TransA, int R, bool kExp = false>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
                             int ldc, bool accumulate, const float* mref = nullptr,
@@ -162,7 +163,7 @@ struct GenericOps {
   static constexpr bool kScaleInA = true;
   static constexpr bool kPrepA = false;
   // kFusedExp: the trait has gemm_exp, the S GEMM with the softmax's exponentials fused into
-  // its tile stores (flash_fwd.h; Avx512Ops).
+  // its tile stores (flash_fwd.h; Avx2Ops and Avx512Ops).
   static constexpr bool kFusedExp = false;
 
   // Called by each thread before and after a run of work items (per-thread CPU state, such as

@@ -295,7 +295,7 @@ struct Avx512Ops : Avx2Ops {
   }
 
   // Dims in passes of 128 (one or two rows), 64 (up to six rows), then 16; the last dims, fewer
-  // than 16, on the AVX2 trait's kernel.
+  // than 16, on the portable kernel (GenericOps::decode_pv), as in the AVX2 trait.
   template <class T, int R>
   static void pv_zmm_group(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
                            float* acc, int ldacc, bool prefetch) {

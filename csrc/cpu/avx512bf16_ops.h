@@ -331,8 +331,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
-  // With `prefetch`, each line this pass reads is prefetched for the same rows of the next
-  // block (nk keys on), as the widening path does.
+  // With `prefetch`, each line this pass reads is prefetched for the rows nk keys on (the next
+  // kPvKeys chunk of a 512-key decode block, or the next block), as the widening path does.
   template <int R, int C>
   static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
                               int ldpw, float* acc, int ldacc, int d0, bool prefetch) {

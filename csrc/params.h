@@ -8,6 +8,8 @@
 
 #include <stdint.h>
 
+#include <atomic>
+
 namespace flashsdpa {
 
 // Element type of q/k/v/out (and of the gradients).
@@ -111,7 +113,10 @@ struct PhasePlan {
 struct CpuTier {
   const char* name;
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
-  void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch);
+  // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
+  // until end: dynamic scheduling).
+  void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch,
+              std::atomic<int64_t>* claim);
   // Test hook: the tier's softmax exponent, s[j] = exp2(s[j] - m) for j < n, returns the sum
   // (s padded to a multiple of 16 floats; lanes from n on must hold -inf).
   float (*exp2_row_sum)(float* s, int n, float m);

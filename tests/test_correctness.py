@@ -77,6 +77,21 @@ def test_scores_grow_along_the_keys(tier, growth, dtype):
     check_forward_backward(q, k, v, dtype, f"{tier} growing scores x{growth}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_first_block_score_offsets(tier, dtype):
+    """Heads whose scores all sit far below or above 0: the fp32 forward takes the first kv
+    block's exponentials against 0 and must fall back to two passes where 2^s underflows (every
+    score near -100 or -60: zero or subnormal) or overflows (near +90), and rescale in between
+    (+60). One offset per head, so that each work item meets one case."""
+    offsets = torch.tensor([-100.0, -60.0, -20.0, 0.0, 20.0, 60.0, 90.0])
+    q, k, v = make_qkv(1, len(offsets), len(offsets), 42, 556, 64, dtype=torch.float32, seed=11)
+    q, k = q.clone(), k.clone()
+    q[..., 0] = offsets[:, None] * 8.0  # score offset = q0 * k0 * 64 ** -0.5 with k0 = 1
+    k[..., 0] = 1.0
+    check_forward_backward(q.to(dtype), k.to(dtype), v.to(dtype), dtype,
+                           f"{tier} first-block score offsets")
+
+
 def test_nan_key_in_a_later_block(tier):
     """A NaN in a later kv block reaches exactly the rows that see it, as in PyTorch."""
     q, k, v = make_qkv(1, 2, 2, 30, 700, 32)
@@ -124,7 +139,8 @@ def test_empty_sequences(tier, L, S):
                          ids=lambda s: "B{}H{}/{}L{}S{}".format(*s))
 def test_bit_identical_across_runs_and_threads(tier, shape, causal, dtype):
     """Each output row / gradient element is computed by one thread in an order fixed by the
-    shape: results must not depend on the run or on the thread count, forward and backward.
+    shape: results must not depend on the run, the thread count or which thread runs which work
+    item, forward and backward.
     (The second shape gets one q block per head on 1 thread and the tier's q blocks on 2: the
     blocking the thread count picks must not change results either.)"""
     q, k, v = make_qkv(*shape, 64, dtype=dtype)
@@ -137,10 +153,13 @@ def test_bit_identical_across_runs_and_threads(tier, shape, causal, dtype):
             out.backward(torch.ones_like(out))
             return [out.detach()] + [t.grad for t in leaves]
 
-    a, b, c = run(2), run(2), run(1)
-    for x, y, z, name in zip(a, b, c, ("out", "dq", "dk", "dv")):
+    # (3 threads on this 2-core machine: the compute phases hand out items one at a time, so
+    # which thread runs which item changes from run to run)
+    a, b, c, d = run(2), run(2), run(1), run(3)
+    for x, y, z, w, name in zip(a, b, c, d, ("out", "dq", "dk", "dv")):
         assert torch.equal(x, y), f"{name} differs between two identical runs"
         assert torch.equal(x, z), f"{name} differs between 1 and 2 threads"
+        assert torch.equal(x, w), f"{name} differs between 1 and 3 threads"
 
 
 def test_tiers_agree():

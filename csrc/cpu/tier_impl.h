@@ -66,11 +66,12 @@ struct TierImpl {
 
   template <class T>
   static void run_typed(const AttnParams& p, Phase phase, int64_t begin, int64_t end,
-                        void* scratch_v) {
+                        void* scratch_v, std::atomic<int64_t>* claim) {
     const Blocks bl = choose_blocks<Ops>(p, phase);
     float* scratch = static_cast<float*>(scratch_v);
     const ThreadState<Ops> thread_state;  // e.g. AMX: tile configuration loaded / released
-    for (int64_t item = begin; item < end; ++item) {
+    int64_t item = claim ? claim->fetch_add(1, std::memory_order_relaxed) : begin;
+    for (; item < end; item = claim ? claim->fetch_add(1, std::memory_order_relaxed) : item + 1) {
       switch (phase) {
         case Phase::PackKV: FlashForward<Ops, T>::run_pack(p, bl, item); break;
         case Phase::Forward: FlashForward<Ops, T>::run_item(p, bl, item, scratch); break;
@@ -93,11 +94,12 @@ struct TierImpl {
     return PhasePlan{0, 0, 0, false};
   }
 
-  static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch) {
+  static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch,
+                  std::atomic<int64_t>* claim) {
     switch (p.dtype) {
-      case DType::F32: run_typed<float>(p, phase, begin, end, scratch); break;
-      case DType::BF16: run_typed<bf16_t>(p, phase, begin, end, scratch); break;
-      case DType::F16: run_typed<f16_t>(p, phase, begin, end, scratch); break;
+      case DType::F32: run_typed<float>(p, phase, begin, end, scratch, claim); break;
+      case DType::BF16: run_typed<bf16_t>(p, phase, begin, end, scratch, claim); break;
+      case DType::F16: run_typed<f16_t>(p, phase, begin, end, scratch, claim); break;
     }
   }
 };

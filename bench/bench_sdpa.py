@@ -159,9 +159,10 @@ def make_step(fn, q, k, v, causal, gqa, mode):
     return step
 
 
-def time_case(steps, repeats, target_s=0.02, between=None):
-    """Interleaved medians: {provider: [seconds per call, ...]}. `between` (if given) runs after
-    each round of the providers (decode mode: a read-bandwidth probe)."""
+def time_case(steps, repeats, target_s=0.02, between=None, between_after=None):
+    """Interleaved medians: {provider: [seconds per call, ...]}. `between` (if given) runs once
+    per round of the providers: right after provider `between_after`'s sample, or at the end of
+    the round (decode mode: a read-bandwidth probe right after flashsdpa's sample)."""
     inner = {}
     for name, step in steps.items():  # warm-up, and calls per sample so a sample is ~target_s
         t0 = time.perf_counter()
@@ -176,7 +177,9 @@ def time_case(steps, repeats, target_s=0.02, between=None):
             for _ in range(n):
                 step()
             samples[name].append((time.perf_counter() - t0) / n)
-        if between:
+            if between and name == between_after:
+                between()
+        if between and between_after not in steps:
             between()
     return samples
 
@@ -230,7 +233,7 @@ def run(args):
         "peak": pk,
     }
     rows = []
-    read_probes = []  # decode mode: per case, the probes taken between its timing rounds
+    read_probes = []  # decode mode: per case, one probe per timing round
     started = time.perf_counter()
     for (B, Hq, Hkv, L, D) in shapes:
         for dtype in dtypes:
@@ -246,22 +249,23 @@ def run(args):
                 gqa = Hq != Hkv
                 steps = {p: make_step(provider(p), q, k, v, causal, gqa, args.mode)
                          for p in providers}
-                # memory bandwidth on a shared machine drifts by 1.5x within minutes: in decode
-                # mode a read probe runs after each round of the providers, and each case is
-                # measured against the median of its own probes (the bandwidth of its own time)
+                # memory bandwidth on this shared machine flips between about 31 and 48 GB/s
+                # every few seconds: in decode mode a read probe runs right after flashsdpa's
+                # sample in every round, and each row's % peak is the median over the rounds of
+                # (its GB/s in the round / that round's probe), so that a sample and the probe it
+                # is measured against come from the same second
                 probing = args.mode == "decode" and pk and not gpu
                 probes = []
                 samples = time_case(
                     steps, args.repeats,
                     between=(lambda: probes.append(peak.measure_read(threads,
                                                                      args.peak_read_mib)))
-                    if probing else None)
-                case_pk = pk
+                    if probing else None,
+                    between_after="flashsdpa")
                 if probing:
                     read_probes.append(probes)
-                    case_pk = dict(pk, read_gbs=statistics.median(probes))
                 rows += summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples,
-                                  case_pk)
+                                  pk, probes if probing else None)
                 if args.budget and time.perf_counter() - started > args.budget:
                     print(f"# time budget of {args.budget}s reached; stopping early",
                           file=sys.stderr)
@@ -278,7 +282,8 @@ def gpu_name(device):
 
 def finish_meta(meta, read_probes):
     """Decode mode: the read bandwidth reported is the median of every probe; read_probes_gbs
-    lists each case's probes (taken between its timing rounds; its fraction used their median)."""
+    lists each case's probes (one right after each of its flashsdpa samples; each row's fraction
+    is the median over the rounds of the round's GB/s over that round's probe)."""
     if meta["mode"] == "decode" and meta["peak"] and read_probes:
         meta["read_probes_gbs"] = read_probes
         meta["peak"] = dict(meta["peak"],
@@ -292,7 +297,9 @@ def baseline_of(providers):
     return next((p for p in ("torch_flash", "torch") if p in providers), None)
 
 
-def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
+def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk, probes=None):
+    """Rows of one case. Decode with `probes` (one read probe per round): % peak is the median
+    over the rounds of the round's GB/s over the round's probe."""
     base_name = baseline_of(samples)
     base = statistics.median(samples[base_name]) if base_name else None
     out = []
@@ -307,9 +314,14 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk):
             f"speedup_vs_{base_name or 'torch_flash'}": (base / med) if base else None,
         }
         if mode == "decode":
-            gbs = kv_bytes(B, Hkv, S, D, dtype) / med * 1e-9
+            nbytes = kv_bytes(B, Hkv, S, D, dtype)
+            gbs = nbytes / med * 1e-9
             row["GB/s"] = gbs
             row["frac_peak"] = gbs / pk["read_gbs"] if pk else None
+            if probes:
+                row["round_gbs"] = [nbytes / t * 1e-9 for t in ts]
+                row["frac_peak"] = statistics.median(
+                    g / p for g, p in zip(row["round_gbs"], probes))
         else:
             gf = flops(B, Hq, Lq, S, D, causal, mode) / med * 1e-9
             row["GFLOP/s"] = gf
@@ -382,8 +394,8 @@ def markdown(meta, rows):
                     "% peak), " if pk.get("bf16_dot_gflops") else "")
                  + "read "
                  f"{pk['read_gbs']:.1f} GB/s"
-                 + (" (median of all probes; each row's % peak is against the median of the "
-                    "probes taken between its own timing rounds)"
+                 + (" (median of all probes; each row's % peak: the median over its timing "
+                    "rounds of the round's GB/s over the probe taken right after it)"
                     if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"
     where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]

@@ -211,7 +211,7 @@ struct FlashBackward {
     const Layout L = layout(p, bl);
     const int64_t n_kb = ceil_div(p.Lk, bl.bk);
     const int64_t bhk = item / n_kb, t = item % n_kb;
-    const int64_t kb = p.causal ? zigzag(t, n_kb) : t;
+    const int64_t kb = t;  // causal: the first kv blocks have the most rows below them
     const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
     const int64_t group = p.Hq / p.Hkv;
     const int64_t j0 = kb * bl.bk;
@@ -242,7 +242,7 @@ struct FlashBackward {
     const Layout L = layout(p, bl);
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     const int64_t bh = item / n_qb, t = item % n_qb;
-    const int64_t qb = p.causal ? zigzag(t, n_qb) : t;
+    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
     const int64_t hk = h / (p.Hq / p.Hkv);
     const int64_t i0 = qb * bl.bq;

@@ -95,7 +95,7 @@ struct FlashForward {
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     const int64_t bh = item / n_qb;
     const int64_t t = item % n_qb;
-    const int64_t qb = p.causal ? zigzag(t, n_qb) : t;
+    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
     const int64_t hk = h / (p.Hq / p.Hkv);
     const int64_t i0 = qb * bl.bq;

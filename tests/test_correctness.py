@@ -66,10 +66,10 @@ def test_scale_and_large_scores(tier, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("growth", [4.0, 40.0, 400.0], ids=["rescale", "large", "overflow"])
 def test_scores_grow_along_the_keys(tier, growth, dtype):
-    """Each kv block's scores far above the last's: the fp32 AVX-512 forward computes a block's
-    exponentials against the running max of the earlier blocks, then rescales a row whose block
-    sum passes 2^16 (every later block here) or redoes the block in two passes when the sum
-    overflows (growth 400: scores in the thousands)."""
+    """Each kv block's scores far above the last's: the fp32 AVX2 / AVX-512 forward computes a
+    block's exponentials against the running max of the earlier blocks, then rescales a row
+    whose block sum passes 2^16 (every later block here) or redoes the block in two passes when
+    the sum overflows (growth 400: scores in the thousands)."""
     q, k, v = make_qkv(1, 2, 2, 40, 1100, 64, dtype=dtype, seed=int(growth))
     k = k.clone()
     for j in range(1, 5):  # kv blocks of 256 keys at D = 64
@@ -80,9 +80,10 @@ def test_scores_grow_along_the_keys(tier, growth, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 def test_first_block_score_offsets(tier, dtype):
     """Heads whose scores all sit far below or above 0: the fp32 forward takes the first kv
-    block's exponentials against 0 and must fall back to two passes where 2^s underflows (every
-    score near -100 or -60: zero or subnormal) or overflows (near +90), and rescale in between
-    (+60). One offset per head, so that each work item meets one case."""
+    block's exponentials against 0 and must fall back to two passes where the block sum falls
+    below 2^-40 (scores near -100: 2^s zero or subnormal; near -60: tiny but normal) or
+    overflows (near +90), and rescale in between (+60). One offset per head, so that each work
+    item meets one case."""
     offsets = torch.tensor([-100.0, -60.0, -20.0, 0.0, 20.0, 60.0, 90.0])
     q, k, v = make_qkv(1, len(offsets), len(offsets), 42, 556, 64, dtype=torch.float32, seed=11)
     q, k = q.clone(), k.clone()

@@ -192,10 +192,25 @@ def parse_shapes(spec, mode):
         return TINY_DECODE if mode == "decode" else TINY_SUITE
     shapes = []
     for item in spec.split(","):
-        b, h, l, d = item.split("x")
-        hq, _, hkv = h.partition("/")
-        shapes.append((int(b), int(hq), int(hkv or hq), int(l), int(d)))
+        try:
+            b, h, l, d = item.split("x")
+            hq, _, hkv = h.partition("/")
+            shape = (int(b), int(hq), int(hkv or hq), int(l), int(d))
+        except ValueError:
+            raise ValueError(f"--shapes: {item!r} is not BxH[/Hkv]xLxD (e.g. 1x32/8x4096x128), "
+                             "'suite' or 'tiny'") from None
+        if min(shape) < 1 or shape[1] % shape[2]:
+            raise ValueError(f"--shapes: {item!r}: sizes must be >= 1 and H a multiple of Hkv")
+        shapes.append(shape)
     return shapes
+
+
+def parse_dtypes(spec):
+    names = spec.split(",")
+    for d in names:
+        if d not in DTYPES:
+            raise ValueError(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+    return [DTYPES[d] for d in names]
 
 
 def run(args):
@@ -206,7 +221,7 @@ def run(args):
     providers = args.providers.split(",")
     for p in providers:
         provider(p)  # validates the name
-    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
+    dtypes = parse_dtypes(args.dtypes)
     causal_opts = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
     if args.mode == "decode":
         causal_opts = [False]  # q_len = 1 sees the whole cache either way
@@ -441,6 +456,11 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
+    try:  # bad --dtypes / --shapes: a usage error naming the argument, before any timing
+        parse_dtypes(args.dtypes)
+        parse_shapes(args.shapes, args.mode)
+    except ValueError as e:
+        ap.error(str(e))
     if args.providers is None:
         args.providers = "flashsdpa,torch_flash" if args.device == "cpu" else "flashsdpa,torch"
     if args.device != "cpu" and not getattr(torch, args.device).is_available():

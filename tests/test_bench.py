@@ -93,3 +93,17 @@ def test_bench_gpu_device_needs_a_gpu(tmp_path):
                           "cuda", "--shapes", "tiny", "--out-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "no such device" in res.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtypes", "float32"], "--dtypes: unknown dtype 'float32'"),
+    (["--shapes", "1x2x3"], "--shapes: '1x2x3' is not BxH[/Hkv]xLxD"),
+    (["--shapes", "1x3/2x8x8"], "H a multiple of Hkv"),
+    (["--shapes", "0x2x8x8"], "sizes must be >= 1"),
+])
+def test_bench_bad_arguments_name_the_argument(tmp_path, args, message):
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_sdpa.py"), *args,
+                          "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert not list(tmp_path.iterdir())  # failed before any timing or output

@@ -448,7 +448,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--shapes", default="suite", help="suite, tiny, or BxH[/Hkv]xLxD,...")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timing rounds per case (default 5; decode 11: its samples are short "
+                         "and this host's read bandwidth swings, so more rounds steady the medians)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     ap.add_argument("--budget", type=float, default=0, help="stop after this many seconds")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
@@ -456,6 +458,10 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 11 if args.mode == "decode" else 5
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     try:  # bad --dtypes / --shapes: a usage error naming the argument, before any timing
         parse_dtypes(args.dtypes)
         parse_shapes(args.shapes, args.mode)

@@ -139,12 +139,15 @@ struct Avx512Ops : Avx2Ops {
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two
-  // vectors are added to its 16-lane sum at sumv + 16 row.
-  template <bool TransA, int R, bool kExp = false>
+  // vectors are added to its 16-lane sum at sumv + 16 row; with kExp and kColRef (gemm_exp_cols,
+  // transposed scores) as 2^(C - mref[column]), column sums added at sumv[0, 32). kStridedB:
+  // the panel's rows are ldb floats apart (B read in place) instead of NR.
+  template <bool TransA, int R, bool kExp = false, bool kColRef = false, bool kStridedB = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
-                                float* sumv = nullptr) {
+                                float* sumv = nullptr, int64_t ldb = NR) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
+    const int64_t sb = kStridedB ? ldb : NR;
     FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
     const float* a0 = a;
@@ -156,12 +159,29 @@ struct Avx512Ops : Avx2Ops {
   }
 #pragma GCC unroll 2
     for (int kk = 0; kk < K; ++kk, a0 += step_k) {
-      const __m512 b0 = _mm512_load_ps(panel + kk * NR);
-      const __m512 b1 = _mm512_load_ps(panel + kk * NR + 16);
+      const __m512 b0 = _mm512_loadu_ps(panel + kk * sb);
+      const __m512 b1 = _mm512_loadu_ps(panel + kk * sb + 16);
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-    if constexpr (kExp) {
+    if constexpr (kExp && kColRef) {
+      // transposed scores: one reference per column (query), column sums at sumv[0, 32)
+      const __m512 m0 = _mm512_loadu_ps(mref), m1 = _mm512_loadu_ps(mref + 16);
+      __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
+#define FLASHSDPA_EXP_ROW(i, n)                                                 \
+  if (R > n) {                                                                \
+    const __m512 p0 = exp2_16(_mm512_sub_ps(c##i##0, m0));                    \
+    const __m512 p1 = exp2_16(_mm512_sub_ps(c##i##1, m1));                    \
+    _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
+    _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
+    t0 = _mm512_add_ps(t0, p0);                                               \
+    t1 = _mm512_add_ps(t1, p1);                                               \
+  }
+      FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)
+#undef FLASHSDPA_EXP_ROW
+      _mm512_storeu_ps(sumv, _mm512_add_ps(_mm512_loadu_ps(sumv), t0));
+      _mm512_storeu_ps(sumv + 16, _mm512_add_ps(_mm512_loadu_ps(sumv + 16), t1));
+    } else if constexpr (kExp) {
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
     const __m512 mr = _mm512_set1_ps(mref[n]);                                \
@@ -191,6 +211,65 @@ struct Avx512Ops : Avx2Ops {
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
     gemm_exp_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
+  }
+
+  // The forward's transposed-score path (flash_fwd.h, run_item_t): S^T = K Q^T, its online
+  // softmax down the columns (one per query) of st [nk rows (keys) x ncols (queries), ld
+  // floats apart], ncols a multiple of 16. Per column: m' = max(m, column max),
+  // alpha = 2^(m - m'), P = 2^(s - m') in place, l = alpha * l + column sum; alpha stored for
+  // the caller (acc rows). A column with nothing but -inf keeps m = -inf, P = 0, alpha = 0.
+  static constexpr bool kTransposedS = true;
+  static void softmax_cols(float* st, int ld, int nk, int ncols, float* m, float* l,
+                           float* alpha) {
+    const __m512 ninf = _mm512_set1_ps(kNegInf);
+    for (int c = 0; c < ncols; c += 16) {
+      float* col = st + c;
+      __m512 mx0 = ninf, mx1 = ninf;
+      int j = 0;
+      for (; j + 2 <= nk; j += 2) {
+        mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + int64_t(j) * ld));
+        mx1 = _mm512_max_ps(mx1, _mm512_loadu_ps(col + int64_t(j + 1) * ld));
+      }
+      if (j < nk) mx0 = _mm512_max_ps(mx0, _mm512_loadu_ps(col + int64_t(j) * ld));
+      const __m512 mold = _mm512_loadu_ps(m + c);
+      const __m512 mnew = _mm512_max_ps(mold, _mm512_max_ps(mx0, mx1));
+      const __mmask16 empty = _mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ);
+      const __m512 ref = _mm512_mask_blend_ps(empty, mnew, _mm512_setzero_ps());
+      const __m512 a = exp2_16(_mm512_sub_ps(mold, ref));
+      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+      j = 0;
+      for (; j + 2 <= nk; j += 2) {
+        float* r0 = col + int64_t(j) * ld;
+        float* r1 = r0 + ld;
+        const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(r0), ref));
+        const __m512 p1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(r1), ref));
+        _mm512_storeu_ps(r0, p0);
+        _mm512_storeu_ps(r1, p1);
+        s0 = _mm512_add_ps(s0, p0);
+        s1 = _mm512_add_ps(s1, p1);
+      }
+      if (j < nk) {
+        float* r0 = col + int64_t(j) * ld;
+        const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(r0), ref));
+        _mm512_storeu_ps(r0, p0);
+        s0 = _mm512_add_ps(s0, p0);
+      }
+      _mm512_storeu_ps(m + c, mnew);
+      _mm512_storeu_ps(l + c, _mm512_fmadd_ps(_mm512_loadu_ps(l + c), a, _mm512_add_ps(s0, s1)));
+      _mm512_storeu_ps(alpha + c, a);
+    }
+  }
+
+  // C (+)= A^T B with B's rows read in place, ldb floats apart (N a multiple of NR).
+  static void gemm_t_strided_b(int M, int N, int K, const float* a, int lda, const float* b,
+                               int64_t ldb, float* c, int ldc, bool accumulate) {
+    gemm_t_strided_b_loop<Avx512Ops>(M, N, K, a, lda, b, ldb, c, ldc, accumulate);
+  }
+
+  // S^T = K Q^T with the exponentials fused, one reference per column (gemm_exp_cols_loop).
+  static void gemm_exp_cols(int M, int N, int K, const float* a, int lda, const float* bp,
+                            int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
+    gemm_exp_cols_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
   }
 
   // As Avx2Ops::score_row, 16 lanes at a time; lanes from `valid` on become -inf.

@@ -44,6 +44,7 @@ struct Avx512Bf16Ops : Avx512Ops {
   static constexpr bool kScaleInA = false;
   static constexpr bool kPrepA = true;
   static constexpr bool kFusedExp = false;  // Avx512Ops::gemm_exp is fp32-operand only
+  static constexpr bool kTransposedS = false;  // so is the transposed-score path
 
   // Pair (a, b) -> one 32-bit word: a in the low half.
   static inline __m512i interleave_lo(__m512i a, __m512i b) {  // columns 0..15

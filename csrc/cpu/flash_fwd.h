@@ -20,6 +20,15 @@
 // block through the two-pass path. Interleaved A/B, fp32 forward suite: +2.8% geomean (avx512),
 // +0.6% (avx2) for the later blocks; the first block too: +1.6% more (avx512; (8,12,256,64),
 // one kv block per row, +4.7%).
+// Transposed scores (traits with kTransposedS, AVX-512, fp32 inputs, no mask / dropout / causal
+// cut; run_item_t): S^T = K_blk Q_blk^T instead, with the rows of K read in place as the GEMM's
+// A operand and Q_blk^T packed once per item as its B panels, so that no K^T (nor, when Dv is a
+// multiple of the panel width, V) panels are packed at all; the online softmax runs down the
+// columns (one per query: vertical vector ops), fused into the tile stores as above with one
+// reference per column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in
+// place. Interleaved A/B against the row path (with its K / V pre-pack phase), fp32 forward
+// suite: +1.7% geomean (D = 64 +0.8-3.8%, D = 128 -0.4 to +1.2%); two-pass only (no fused
+// exponentials) it was 2.8% slower than the row path.
 #pragma once
 #include "flash_common.h"
 
@@ -34,9 +43,16 @@ struct FlashForward {
   static constexpr float kFusedSumMin = 0x1p-40f;   // first block: below this, two-pass path
   // Scratch (floats) of one thread, carved in this order.
   struct Layout {
-    int ldq, lds, ldacc;
-    int64_t q, kt, v, s, acc, m, l, mask, a16, sv, total;
+    int ldq, lds, ldacc, ldt;
+    int64_t q, kt, v, s, acc, m, l, mask, a16, sv, qt, st, mt, lt, at, ct, total;
   };
+
+  // The transposed-score path (run_item_t): fp32 inputs, no mask, no dropout, no causal cut.
+  static bool transposed(const AttnParams& p) {
+    if constexpr (Ops::kTransposedS && std::is_same_v<T, float>)
+      return p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal;
+    return false;
+  }
   static Layout layout(const AttnParams& p, const Blocks& bl) {
     Layout L;
     const int64_t bkp = round_up(bl.bk, Ops::NR);
@@ -60,6 +76,15 @@ struct FlashForward {
     L.mask = take(int64_t(bl.bq) * bkp);
     L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
     L.sv = take(Ops::kFusedExp ? int64_t(bl.bq) * 16 : 0);
+    const int64_t bqp = round_up(bl.bq, Ops::NR);
+    const bool tr = transposed(p);
+    L.ldt = int(bqp);
+    L.qt = take(tr ? bqp * p.D : 0);
+    L.st = take(tr ? int64_t(bl.bk) * bqp : 0);
+    L.mt = take(tr ? bqp : 0);
+    L.lt = take(tr ? bqp : 0);
+    L.at = take(tr ? bqp : 0);
+    L.ct = take(tr ? bqp : 0);
     L.total = off;
     return L;
   }
@@ -72,7 +97,7 @@ struct FlashForward {
   // Worth it when each kv block is read by more than one q block (several q blocks per head, or
   // several query heads per kv head); otherwise each forward item packs what it reads.
   static bool pack_worthwhile(const AttnParams& p, const Blocks& bl) {
-    return p.Lq > bl.bq || p.Hq > p.Hkv;
+    return (p.Lq > bl.bq || p.Hq > p.Hkv) && !transposed(p);
   }
   static int64_t pack_items(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
@@ -90,7 +115,110 @@ struct FlashForward {
     Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
   }
 
+  // The transposed-score item (see the top of the file). Per kv block: fused exponentials
+  // against each column's running max (0 on the first block) with the same 2^16 rescale and
+  // sum checks as the row path, else the two-pass softmax_cols; padding columns (past nq, zero
+  // queries) keep reference 0 and are never read.
+  static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    if constexpr (Ops::kTransposedS && std::is_same_v<T, float>) {
+      const Layout L = layout(p, bl);
+      const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+      const int64_t bh = item / n_qb, qb = item % n_qb;
+      const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv);
+      const int64_t i0 = qb * bl.bq;
+      const int nq = int(min64(bl.bq, p.Lq - i0));
+      const int nqc = int(round_up(nq, 16));
+      const int D = int(p.D), Dv = int(p.Dv);
+      float* qt = scratch + L.qt;
+      float* st = scratch + L.st;
+      float* m = scratch + L.mt;
+      float* l = scratch + L.lt;
+      float* alpha = scratch + L.at;
+      float* acc = scratch + L.acc;
+      float* vp = scratch + L.v;
+      Ops::pack_bt(q_row<T>(p, b, h, i0), p.q_sl, D, nq, qt);
+      Ops::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
+      float* csum = scratch + L.ct;
+      const int nqp = int(round_up(nq, Ops::NR));
+      // padding columns (zero queries) keep reference 0: their P is 1, never read
+      for (int c = 0; c < nqp; ++c) m[c] = c < nq ? kNegInf : 0.0f, l[c] = 0.0f, alpha[c] = 1.0f;
+      for (int r = 0; r < nq; ++r) {
+        float* a = acc + int64_t(r) * L.ldacc;
+        for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
+      }
+      bool m_finite = false;
+      for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
+        const int nk = int(min64(bl.bk, p.Lk - j0));
+        const float* kr = k_row<T>(p, b, hk, j0);
+        bool done = false;
+        const bool first = j0 == 0;
+        if (m_finite || first) {
+          if (first)
+            for (int c = 0; c < nq; ++c) m[c] = 0.0f;
+          for (int c = 0; c < nqp; ++c) csum[c] = 0.0f;
+          Ops::gemm_exp_cols(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st, L.ldt, m,
+                             csum);
+          bool finite = true;
+          for (int c = 0; c < nq; ++c) {
+            finite &= csum[c] <= kFusedSumMax;
+            if (first) finite &= csum[c] >= kFusedSumMin;
+          }
+          if (finite) {
+            bool shifted = false;
+            for (int c = 0; c < nq; ++c) {
+              const float sum = csum[c];
+              if (sum > kFusedRescale) {
+                const float shift = __builtin_ceilf(__builtin_log2f(sum));
+                const float a = exp2_poly(-shift);
+                alpha[c] = a;
+                Ops::scale_row(acc + int64_t(c) * L.ldacc, Dv, a);
+                l[c] = (l[c] + sum) * a;
+                m[c] += shift;
+                shifted = true;
+              } else {
+                l[c] += sum;
+              }
+            }
+            if (shifted) {
+              for (int j = 0; j < nk; ++j) {
+                float* row = st + int64_t(j) * L.ldt;
+                for (int c = 0; c < nqc; ++c) row[c] *= alpha[c];
+              }
+              for (int c = 0; c < nq; ++c) alpha[c] = 1.0f;
+            }
+            done = true;
+            m_finite = true;
+          } else if (first) {
+            for (int c = 0; c < nq; ++c) m[c] = kNegInf;
+          }
+        }
+        if (!done) {
+          Ops::template gemm<false>(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st,
+                                    L.ldt, false);
+          Ops::softmax_cols(st, L.ldt, nk, nqc, m, l, alpha);
+          m_finite = true;
+          for (int r = 0; r < nq; ++r) {
+            if (alpha[r] != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha[r]);
+            alpha[r] = 1.0f;
+            m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
+          }
+        }
+        if (Dv % Ops::NR == 0) {  // V read in place: no V panels to pack
+          Ops::gemm_t_strided_b(nq, Dv, nk, st, L.ldt, v_row<T>(p, b, hk, j0), p.v_sl, acc,
+                                L.ldacc, true);
+          continue;
+        }
+        Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+        Ops::template gemm<true>(nq, Dv, nk, st, L.ldt, vp, int64_t(nk) * Ops::NR, acc,
+                                 L.ldacc, true);
+      }
+      for (int r = 0; r < nq; ++r)
+        finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+    }
+  }
+
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    if (transposed(p)) return run_item_t(p, bl, item, scratch);
     const Layout L = layout(p, bl);
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     const int64_t bh = item / n_qb;

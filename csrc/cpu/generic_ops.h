@@ -76,16 +76,18 @@ struct RowLimit {
 
 // Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop) for a
 // run-time row count r in [1, R].
-template <class Ops, bool TransA, int R, bool kExp = false>
+template <class Ops, bool TransA, int R, bool kExp = false, bool kColRef = false>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
                             int ldc, bool accumulate, const float* mref = nullptr,
                             float* sumv = nullptr) {
   if constexpr (R > 1) {
     if (r != R)
-      return micro_tile_rows<Ops, TransA, R - 1, kExp>(r, K, a, lda, panel, c, ldc, accumulate,
-                                                      mref, sumv);
+      return micro_tile_rows<Ops, TransA, R - 1, kExp, kColRef>(r, K, a, lda, panel, c, ldc,
+                                                               accumulate, mref, sumv);
   }
-  if constexpr (kExp)
+  if constexpr (kColRef)
+    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, mref, sumv);
+  else if constexpr (kExp)
     Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, mref, sumv);
   else
     Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
@@ -147,6 +149,36 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
   });
 }
 
+// gemm_exp_loop for the transposed scores S^T = K Q^T (flash_fwd.h, run_item_t): the
+// reference and the sums are per column (query): mref[n], sumv[n] for n < round_up(N, NR).
+template <class Ops>
+inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, const float* bp,
+                               int64_t bstride, float* c, int ldc, const float* mref,
+                               float* sumv) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+    micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
+                                                bp + p * bstride, c + p * NR + int64_t(i) * ldc,
+                                                ldc, false, mref + p * NR, sumv + p * NR);
+  });
+}
+
+// C[M][N] (= or +=) A^T B (A[i][kk] = a[kk*lda + i]) with B's rows read in place, ldb floats
+// apart (B[kk][n] = b[kk*ldb + n], N a multiple of NR): the transposed-score path's P V with V
+// unpacked (a trait's micro_tile<true, R, false, false, true>).
+template <class Ops>
+inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
+                                  int64_t ldb, float* c, int ldc, bool accumulate) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+    with_rows<MR>(R, [&](auto rows) {
+      Ops::template micro_tile<true, decltype(rows)::value, false, false, true>(
+          kk, a + i, lda, b + p * NR, c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr,
+          nullptr, ldb);
+    });
+  });
+}
+
 // The trait the decode path uses (a tier whose operand format does not suit the short-query
 // kernels specialises this to an fp32 trait).
 template <class Ops>
@@ -165,6 +197,9 @@ struct GenericOps {
   // kFusedExp: the trait has gemm_exp, the S GEMM with the softmax's exponentials fused into
   // its tile stores (flash_fwd.h; Avx2Ops and Avx512Ops).
   static constexpr bool kFusedExp = false;
+  // kTransposedS: the trait has softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
+  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t; Avx512Ops).
+  static constexpr bool kTransposedS = false;
 
   // Called by each thread before and after a run of work items (per-thread CPU state, such as
   // the AMX tile configuration).

@@ -28,7 +28,9 @@
 // reference per column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in
 // place. Interleaved A/B against the row path (with its K / V pre-pack phase), fp32 forward
 // suite: +1.7% geomean (D = 64 +0.8-3.8%, D = 128 -0.4 to +1.2%); two-pass only (no fused
-// exponentials) it was 2.8% slower than the row path.
+// exponentials) it was 2.8% slower than the row path. The same path on AVX2 (6x16 tiles,
+// out-of-line exponentials) measured +0.6% and -0.6% in two A/Bs (-1 to -6% at (4,16,512,64)):
+// not enabled there.
 #pragma once
 #include "flash_common.h"
 

@@ -52,7 +52,8 @@ struct FlashForward {
   // The transposed-score path (run_item_t): fp32 inputs, no mask, no dropout, no causal cut.
   static bool transposed(const AttnParams& p) {
     if constexpr (Ops::kTransposedS && std::is_same_v<T, float>)
-      return p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal;
+      return p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
+             p.k_sl <= INT32_MAX;  // K's row stride is the GEMM's int lda
     return false;
   }
   static Layout layout(const AttnParams& p, const Blocks& bl) {
@@ -117,6 +118,19 @@ struct FlashForward {
     Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
   }
 
+  // A work item's place: batch, query head, kv head, and its q block's first row and rows.
+  struct ItemPos {
+    int64_t bh, b, h, hk, i0;
+    int nq;
+  };
+  static ItemPos item_pos(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+    const int64_t bh = item / n_qb, t = item % n_qb;
+    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
+    const int64_t h = bh % p.Hq, i0 = qb * bl.bq;
+    return ItemPos{bh, bh / p.Hq, h, h / (p.Hq / p.Hkv), i0, int(min64(bl.bq, p.Lq - i0))};
+  }
+
   // The transposed-score item (see the top of the file). Per kv block: fused exponentials
   // against each column's running max (0 on the first block) with the same 2^16 rescale and
   // sum checks as the row path, else the two-pass softmax_cols; padding columns (past nq, zero
@@ -124,11 +138,9 @@ struct FlashForward {
   static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     if constexpr (Ops::kTransposedS && std::is_same_v<T, float>) {
       const Layout L = layout(p, bl);
-      const int64_t n_qb = ceil_div(p.Lq, bl.bq);
-      const int64_t bh = item / n_qb, qb = item % n_qb;
-      const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv);
-      const int64_t i0 = qb * bl.bq;
-      const int nq = int(min64(bl.bq, p.Lq - i0));
+      const ItemPos pos = item_pos(p, bl, item);
+      const int64_t b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
+      const int nq = pos.nq;
       const int nqc = int(round_up(nq, 16));
       const int D = int(p.D), Dv = int(p.Dv);
       float* qt = scratch + L.qt;
@@ -222,14 +234,9 @@ struct FlashForward {
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     if (transposed(p)) return run_item_t(p, bl, item, scratch);
     const Layout L = layout(p, bl);
-    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
-    const int64_t bh = item / n_qb;
-    const int64_t t = item % n_qb;
-    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
-    const int64_t b = bh / p.Hq, h = bh % p.Hq;
-    const int64_t hk = h / (p.Hq / p.Hkv);
-    const int64_t i0 = qb * bl.bq;
-    const int nq = int(min64(bl.bq, p.Lq - i0));
+    const ItemPos pos = item_pos(p, bl, item);
+    const int64_t bh = pos.bh, b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
+    const int nq = pos.nq;
     const int Dv = int(p.Dv);
 
     float* qbuf = scratch + L.q;

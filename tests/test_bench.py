@@ -100,6 +100,7 @@ def test_bench_gpu_device_needs_a_gpu(tmp_path):
     (["--shapes", "1x2x3"], "--shapes: '1x2x3' is not BxH[/Hkv]xLxD"),
     (["--shapes", "1x3/2x8x8"], "H a multiple of Hkv"),
     (["--shapes", "0x2x8x8"], "sizes must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
 ])
 def test_bench_bad_arguments_name_the_argument(tmp_path, args, message):
     res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_sdpa.py"), *args,

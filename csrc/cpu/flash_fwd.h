@@ -46,7 +46,7 @@ struct FlashForward {
   // Scratch (floats) of one thread, carved in this order.
   struct Layout {
     int ldq, lds, ldacc, ldt;
-    int64_t q, kt, v, s, acc, m, l, mask, a16, sv, qt, st, mt, lt, at, ct, total;
+    int64_t q, kt, v, s, acc, m, l, mask, a16, sv, qt, st, at, ct, total;
   };
 
   // The transposed-score path (run_item_t): fp32 inputs, no mask, no dropout, no causal cut.
@@ -74,18 +74,16 @@ struct FlashForward {
     L.v = take(int64_t(bl.bk) * dvp);
     L.s = take(int64_t(bl.bq) * bkp);
     L.acc = take(int64_t(bl.bq) * dvp);
-    L.m = take(bl.bq);
-    L.l = take(bl.bq);
+    const int64_t bqp = round_up(bl.bq, Ops::NR);
+    L.m = take(bqp);  // per query row: whole panels of them in the transposed path
+    L.l = take(bqp);
     L.mask = take(int64_t(bl.bq) * bkp);
     L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
     L.sv = take(Ops::kFusedExp ? int64_t(bl.bq) * 16 : 0);
-    const int64_t bqp = round_up(bl.bq, Ops::NR);
     const bool tr = transposed(p);
     L.ldt = int(bqp);
     L.qt = take(tr ? bqp * p.D : 0);
     L.st = take(tr ? int64_t(bl.bk) * bqp : 0);
-    L.mt = take(tr ? bqp : 0);
-    L.lt = take(tr ? bqp : 0);
     L.at = take(tr ? bqp : 0);
     L.ct = take(tr ? bqp : 0);
     L.total = off;
@@ -118,6 +116,28 @@ struct FlashForward {
     Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
   }
 
+  // A fused block's sum (one per query: a row of S, a column of S^T) can be used: not past
+  // kFusedSumMax (false for inf and NaN) and, on the first block (reference 0), not below
+  // kFusedSumMin. Otherwise the block takes the two-pass path.
+  static bool fused_sum_ok(float sum, bool first) {
+    return sum <= kFusedSumMax && (!first || sum >= kFusedSumMin);
+  }
+  // Adds a fused block's sum to one query's softmax state (m, l, its acc row). Past
+  // kFusedRescale the reference moves up by a power of two: acc rescaled here, and the factor
+  // returned for the block's P (1: unchanged).
+  static float absorb_fused_sum(float sum, float* m, float* l, float* acc_row, int Dv) {
+    if (sum <= kFusedRescale) {
+      *l += sum;
+      return 1.0f;
+    }
+    const float shift = __builtin_ceilf(__builtin_log2f(sum));
+    const float alpha = exp2_poly(-shift);
+    Ops::scale_row(acc_row, Dv, alpha);
+    *l = (*l + sum) * alpha;
+    *m += shift;
+    return alpha;
+  }
+
   // A work item's place: batch, query head, kv head, and its q block's first row and rows.
   struct ItemPos {
     int64_t bh, b, h, hk, i0;
@@ -145,8 +165,8 @@ struct FlashForward {
       const int D = int(p.D), Dv = int(p.Dv);
       float* qt = scratch + L.qt;
       float* st = scratch + L.st;
-      float* m = scratch + L.mt;
-      float* l = scratch + L.lt;
+      float* m = scratch + L.m;
+      float* l = scratch + L.l;
       float* alpha = scratch + L.at;
       float* acc = scratch + L.acc;
       float* vp = scratch + L.v;
@@ -173,25 +193,12 @@ struct FlashForward {
           Ops::gemm_exp_cols(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st, L.ldt, m,
                              csum);
           bool finite = true;
-          for (int c = 0; c < nq; ++c) {
-            finite &= csum[c] <= kFusedSumMax;
-            if (first) finite &= csum[c] >= kFusedSumMin;
-          }
+          for (int c = 0; c < nq; ++c) finite &= fused_sum_ok(csum[c], first);
           if (finite) {
             bool shifted = false;
             for (int c = 0; c < nq; ++c) {
-              const float sum = csum[c];
-              if (sum > kFusedRescale) {
-                const float shift = __builtin_ceilf(__builtin_log2f(sum));
-                const float a = exp2_poly(-shift);
-                alpha[c] = a;
-                Ops::scale_row(acc + int64_t(c) * L.ldacc, Dv, a);
-                l[c] = (l[c] + sum) * a;
-                m[c] += shift;
-                shifted = true;
-              } else {
-                l[c] += sum;
-              }
+              alpha[c] = absorb_fused_sum(csum[c], &m[c], &l[c], acc + int64_t(c) * L.ldacc, Dv);
+              shifted |= alpha[c] != 1.0f;
             }
             if (shifted) {
               for (int j = 0; j < nk; ++j) {
@@ -304,22 +311,13 @@ struct FlashForward {
             float sum = 0.0f;
             for (int x = 0; x < 16; ++x) sum += sv[r * 16 + x];
             sv[r * 16] = sum;
-            finite &= sum <= kFusedSumMax;  // false for inf and NaN
-            if (first) finite &= sum >= kFusedSumMin;
+            finite &= fused_sum_ok(sum, first);
           }
           if (finite) {
             for (int r = 0; r < nq; ++r) {
-              const float sum = sv[r * 16];
-              if (sum > kFusedRescale) {
-                const float shift = __builtin_ceilf(__builtin_log2f(sum));
-                const float alpha = exp2_poly(-shift);
-                Ops::scale_row(s + int64_t(r) * L.lds, nk, alpha);
-                Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha);
-                l[r] = (l[r] + sum) * alpha;
-                m[r] += shift;
-              } else {
-                l[r] += sum;
-              }
+              const float alpha =
+                  absorb_fused_sum(sv[r * 16], &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv);
+              if (alpha != 1.0f) Ops::scale_row(s + int64_t(r) * L.lds, nk, alpha);
             }
             any_row = true;
             m_finite = true;

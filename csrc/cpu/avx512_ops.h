@@ -340,9 +340,9 @@ struct Avx512Ops : Avx2Ops {
 
   // Decode P V with zmm accumulators: R rows x C vectors of 16 dims per pass, so a pass reads
   // 16 C contiguous dims of each V row (one row, C = 8: the whole 128-dim row, read once in
-  // order) and each widened V vector feeds R FMAs. As in the AVX2 trait, the first row group
-  // prefetches the lines it reads, for the same rows of the next block (nk keys on).
-  template <class T, int R, int C>
+  // order) and each widened V vector feeds R FMAs. The first row group prefetches the same rows
+  // of the next block (nk keys on), one line per PFB bytes of each row (pv_prefetch_bytes).
+  template <class T, int R, int C, int PFB>
   static inline void pv_zmm(const T* v, int64_t ldv, int nk, const float* p, int ldp,
                             float* acc, int ldacc, int d0, bool prefetch) {
     __m512 c[R][C];
@@ -350,12 +350,15 @@ struct Avx512Ops : Avx2Ops {
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int u = 0; u < C; ++u) c[r][u] = _mm512_loadu_ps(acc + int64_t(r) * ldacc + d0 + 16 * u);
-    constexpr int kLine = 64 / int(sizeof(T));  // elements per cache line
+    // passes shorter than the stride prefetch only where a stride starts (d0 is a multiple of
+    // 16 C dims, so a longer pass starts on one)
+    constexpr int kStride = PFB / int(sizeof(T));  // elements
+    prefetch = prefetch && (d0 % kStride) == 0;
     for (int j = 0; j < nk; ++j) {
       const T* vj = v + int64_t(j) * ldv + d0;
       if (prefetch)
 #pragma GCC unroll 8
-        for (int u = 0; u < 16 * C; u += kLine)
+        for (int u = 0; u < 16 * C; u += kStride)
           _mm_prefetch(reinterpret_cast<const char*>(vj + nk * ldv + u), _MM_HINT_T1);
       __m512 x[C];
 #pragma GCC unroll 8
@@ -375,15 +378,15 @@ struct Avx512Ops : Avx2Ops {
 
   // Dims in passes of 128 (one or two rows), 64 (up to six rows), then 16; the last dims, fewer
   // than 16, on the portable kernel (GenericOps::decode_pv), as in the AVX2 trait.
-  template <class T, int R>
+  template <class T, int R, int PFB>
   static void pv_zmm_group(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
                            float* acc, int ldacc, bool prefetch) {
     constexpr int C = R <= 2 ? 8 : 4;
     const int d16 = Dv & ~15;
     int d0 = 0;
     for (; d0 + 16 * C <= d16; d0 += 16 * C)
-      pv_zmm<T, R, C>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
-    for (; d0 < d16; d0 += 16) pv_zmm<T, R, 1>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
+      pv_zmm<T, R, C, PFB>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
+    for (; d0 < d16; d0 += 16) pv_zmm<T, R, 1, PFB>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
     if (d16 < Dv)
       GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, p, ldp, R, acc + d16, ldacc);
   }
@@ -397,7 +400,8 @@ struct Avx512Ops : Avx2Ops {
       float* ar = acc + int64_t(r) * ldacc;
       const bool pf = r == 0;
       with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
-        pv_zmm_group<T, decltype(rows)::value>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf);
+        constexpr int R = decltype(rows)::value;
+        pv_zmm_group<T, R, pv_prefetch_bytes(R)>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf);
       });
     }
   }

@@ -332,9 +332,10 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
-  // With `prefetch`, each line this pass reads is prefetched for the rows nk keys on (the next
-  // kPvKeys chunk of a 512-key decode block, or the next block), as the widening path does.
-  template <int R, int C>
+  // With `prefetch`, the rows nk keys on (the next kPvKeys chunk of a 512-key decode block, or
+  // the next block) are prefetched one line per PFB bytes (pv_prefetch_bytes), as the widening
+  // path does.
+  template <int R, int C, int PFB>
   static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
                               int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
     __m512 lo[R][C], hi[R][C];
@@ -367,14 +368,17 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
         }
       }
     };
+    // passes shorter than the stride prefetch only where a stride starts
+    constexpr int kStride = PFB / 2;  // elements
+    prefetch = prefetch && (d0 % kStride) == 0;
     const int np = nk / 2;
     for (int jp = 0; jp < np; ++jp) {
       const uint16_t* va = v + int64_t(2 * jp) * ldv + d0;
       if (prefetch)
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + 32 * c), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + 32 * c), _MM_HINT_T1);
+        for (int u = 0; u < 32 * C; u += kStride) {
+          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + u), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + u), _MM_HINT_T1);
         }
       step(va, va + ldv, jp);
     }
@@ -393,15 +397,15 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // Rows in groups of up to 6; per group the dims in chunks of 128 (one or two rows: 8 or 16
   // accumulators) or 64 (more rows: up to 24), then 32; dims past the last whole 32 take the
   // widening path on the fp32 P.
-  template <int R>
+  template <int R, int PFB>
   static void pv_group(const uint16_t* v, int64_t ldv, int nk, int Dv, const uint32_t* pw,
                        int ldpw, float* acc, int ldacc, bool prefetch) {
     constexpr int C = R <= 2 ? 4 : 2;
     const int d32 = Dv & ~31;
     int d0 = 0;
     for (; d0 + 32 * C <= d32; d0 += 32 * C)
-      pv_pairs<R, C>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
-    for (; d0 < d32; d0 += 32) pv_pairs<R, 1>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+      pv_pairs<R, C, PFB>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+    for (; d0 < d32; d0 += 32) pv_pairs<R, 1, PFB>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
   }
 
   static constexpr int kPvKeys = 256;  // keys per pass (the P pairs of 6 rows on the stack)
@@ -434,7 +438,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
           float* ar = acc + int64_t(r) * ldacc;
           const bool pf = r == 0;
           with_rows<6>(R, [&](auto rows) {
-            pv_group<decltype(rows)::value>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf);
+            constexpr int kR = decltype(rows)::value;
+            pv_group<kR, pv_prefetch_bytes(kR)>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf);
           });
         }
         if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32

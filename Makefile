@@ -44,12 +44,14 @@ bench: build
 peak: build
 	$(PY) bench/peak.py
 
-# Every mode, then the README performance table regenerated from those results.
+# Every mode, then the README performance table regenerated from those results (and the GPU
+# results bench/gpu_check.sh last committed: no GPU here to refresh them).
 bench-all: build
 	$(PY) bench/bench_sdpa.py --mode fwd
 	$(PY) bench/bench_sdpa.py --mode train --repeats 3 --shapes 1x16x1024x64,1x8x2048x128,4x16x512x64,1x16/4x1024x128
 	$(PY) bench/bench_sdpa.py --mode decode
-	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json
+	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json \
+	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)
 
 # On a machine with AVX-512 / AMX: native tests and benchmarks per tier, in one command.
 hw-check:

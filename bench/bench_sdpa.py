@@ -414,8 +414,9 @@ def markdown(meta, rows):
                     if meta.get("read_probes_gbs") else "")
                  ) if pk else "machine peak: not measured"
     where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]
-    header = (f"{mode} | {where} | {meta['threads']} threads | torch {meta['torch']} | "
-              f"flashsdpa tiers: " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()))
+    kernels = ("flashsdpa: Triton kernels" if gpu else
+               "flashsdpa tiers: " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()))
+    header = f"{mode} | {where} | {meta['threads']} threads | torch {meta['torch']} | {kernels}"
     return "\n".join([header, peak_line, ""] + lines + [""] + summary)
 
 

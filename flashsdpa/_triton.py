@@ -13,6 +13,7 @@ fp32 -> bf16 cast truncates).
 import importlib.util
 import math
 import os
+import threading
 
 import torch
 
@@ -60,24 +61,26 @@ def _poisoned(t):
 
 
 _kernels = None
-_allocator_set = set()
+# Triton keeps its allocator in a ContextVar, so each thread starts with none: autograd runs a
+# GPU backward on its own device thread, and user code may launch from any thread. Set per thread.
+_allocator_tls = threading.local()
 
 
 def _load_kernels(device):
     """Import Triton and the kernels on first use; give Triton a scratch allocator for device-side
-    tensor descriptors on a real GPU."""
+    tensor descriptors on a real GPU (once per thread)."""
     global _kernels
     if _kernels is None:
         from .kernels import attention_bwd, attention_fwd, configs
         _kernels = (attention_fwd, attention_bwd, configs)
-    if device.type != "cpu" and device.type not in _allocator_set:
+    if device.type != "cpu" and getattr(_allocator_tls, "device_type", None) != device.type:
         import triton
 
         def alloc(size, alignment, stream, _dev=device.type):
             return torch.empty(size, dtype=torch.int8, device=_dev)
 
         triton.set_allocator(alloc)
-        _allocator_set.add(device.type)
+        _allocator_tls.device_type = device.type
     return _kernels
 
 

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -156,6 +157,37 @@ def test_empty_sequences():
         out.sum().backward()
         for t in leaves:
             assert t.grad.shape == t.shape and not torch.isnan(t.grad).any()
+
+
+def test_launch_from_new_thread():
+    """Triton's scratch allocator is per thread (a ContextVar): forward and backward launched
+    from a thread that never launched before must still run (a GPU backward always does: autograd
+    runs it on its device thread)."""
+    q, k, v = make_qkv(1, 2, 2, 33, 40, 16, dtype=torch.float32, seed=21)
+    results = {}
+
+    def work():
+        try:
+            leaves = [_dev(t.detach().clone()).requires_grad_() for t in (q, k, v)]
+            out = _triton.scaled_dot_product_attention(*leaves, is_causal=True)
+            out.sum().backward()
+            results["out"] = out.detach().cpu()
+            results["dq"] = leaves[0].grad.cpu()
+        except Exception as e:  # surfaced below, in the test's own thread
+            results["error"] = e
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert "error" not in results, results.get("error")
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference_sdpa(*ref_leaves, is_causal=True)
+    ref.sum().backward()
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out = F.scaled_dot_product_attention(*same, is_causal=True)
+    torch_out.sum().backward()
+    assert_within_rule(results["out"], torch_out.detach(), ref.detach(), torch.float32, "out")
+    assert_within_rule(results["dq"], same[0].grad, ref_leaves[0].grad, torch.float32, "dq")
 
 
 # ---- dropout ---------------------------------------------------------------------------------------

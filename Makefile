@@ -30,9 +30,16 @@ simde:
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libsimde-dev >/dev/null 2>&1; }; }; \
 	  test -f $(SIMDE_HEADER) || echo "note: SIMDe not installed; the emulated-tier tests will skip"; }
 
-# Incremental: ninja only recompiles what changed.
-build: $(STAMP) simde
-	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+# The package is installed once in editable mode without the extension (that maps
+# flashsdpa.kernels to kernels/); the extension is then built in place, in build/, where ninja
+# recompiles only what changed since the last build.
+EDITABLE := $(VENV)/.editable-installed
+$(EDITABLE): $(STAMP) setup.py
+	FLASHSDPA_NO_EXT=1 $(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	@touch $@
+
+build: $(EDITABLE) simde
+	$(PY) setup.py --quiet build_ext --inplace
 
 test: build
 	$(PY) -m pytest -q tests

@@ -110,7 +110,9 @@ setup(
     packages=["flashsdpa", "flashsdpa.kernels"],
     py_modules=["flashsdpa_autoload"],
     package_dir={"flashsdpa": "flashsdpa", "flashsdpa.kernels": "kernels"},
-    ext_modules=[make_extension()],
+    # FLASHSDPA_NO_EXT=1: the pure-Python part only (`make build` installs that in editable mode,
+    # then builds the extension in place, incrementally)
+    ext_modules=[] if os.environ.get("FLASHSDPA_NO_EXT") == "1" else [make_extension()],
     cmdclass={"build_ext": TierBuildExtension.with_options(use_ninja=True)},
     # FLASHSDPA_AUTOLOAD=1: `import torch` enables flashsdpa (PyTorch's backend autoload hook)
     entry_points={"torch.backends": ["flashsdpa = flashsdpa_autoload:autoload"]},

@@ -3,19 +3,22 @@
 csrc/ is split by how code is compiled:
   * generic sources (op schemas, checks, registration, feature detection, bindings) are compiled
     once with no ISA flags;
-  * each ISA tier's kernel source (csrc/cpu/tiers/<tier>.cpp) is compiled once with that tier's
-    flags only. Never -march=native: the binary must run on any CPU of its architecture, and the
-    best tier is picked at run time from CPUID.
+  * the tier source (csrc/cpu/tier.cpp) is compiled once per row of the tier table
+    (csrc/cpu/tiers.def) with that row's flags only. Never -march=native: the binary must run on
+    any CPU of its architecture, and the best tier is picked at run time from CPUID.
 
 Build with torch already installed: pip install --no-build-isolation [-e] .
 """
 import os
 import platform
+import sys
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu"))
+import tiers_def  # noqa: E402  (the tier table's reader)
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
 
 
@@ -28,36 +31,32 @@ def _simde_include():
 
 
 SIMDE = _simde_include()
-# Test-only emulated tiers: the AVX-512 tier sources built against SIMDe with AVX2 flags, so
-# that their code runs (slowly) on CPUs without AVX-512. Only when SIMDe is installed
-# (`make test` installs it); a normal build never needs it. FLASHSDPA_NO_EMULATED=1 skips them.
+# Test-only emulated tiers: the tiers tiers.def marks `emulated`, compiled against SIMDe with AVX2
+# flags, so that their code runs (slowly) on CPUs without their instructions. Only when SIMDe is
+# installed (`make test` installs it); a normal build never needs it. FLASHSDPA_NO_EMULATED=1
+# skips them.
 EMULATE = IS_X86 and SIMDE is not None and os.environ.get("FLASHSDPA_NO_EMULATED") != "1"
 EMU_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DFLASHSDPA_EMULATE"] + (
     ["-isystem", SIMDE] if SIMDE and SIMDE not in ("/usr/include", "/usr/local/include") else [])
 
 GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/autograd.cpp", "csrc/module.cpp",
                    "csrc/cpu/isa.cpp"]
+TIER_SOURCE = "csrc/cpu/tier.cpp"  # compiled once per tier build below
 
-# tier name -> (source, compiler flags, build it on this architecture?)
-TIERS = {
-    "portable": ("csrc/cpu/tiers/portable.cpp", [], True),
-    "avx2": ("csrc/cpu/tiers/avx2.cpp", ["-mavx2", "-mfma", "-mf16c"], IS_X86),
-    "avx512": ("csrc/cpu/tiers/avx512.cpp",
-               ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
-               IS_X86),
-    "avx512_bf16": ("csrc/cpu/tiers/avx512bf16.cpp",
-                    ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                     "-mavx2", "-mfma", "-mf16c"],
-                    IS_X86),
-    "amx": ("csrc/cpu/tiers/amx.cpp",
-            ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mamx-tile",
-             "-mamx-bf16", "-mavx2", "-mfma", "-mf16c"],
-            IS_X86),
-    # test-only emulations (same sources, SIMDe instead of AVX-512 instructions)
-    "avx512_emu": ("csrc/cpu/tiers/avx512.cpp", EMU_FLAGS, EMULATE),
-    "avx512_bf16_emu": ("csrc/cpu/tiers/avx512bf16.cpp", EMU_FLAGS, EMULATE),
-    "amx_emu": ("csrc/cpu/tiers/amx.cpp", EMU_FLAGS, EMULATE),
-}
+
+def tier_builds():
+    """Tier builds from the table (csrc/cpu/tiers.def): build name -> compiler flags, for each row
+    this architecture builds, plus `<name>_emu` for the rows marked emulated when SIMDe is here."""
+    builds = {}
+    for row in tiers_def.rows():
+        if row["arch"] == "any" or IS_X86:
+            builds[row["name"]] = tiers_def.macros(row) + row["flags"]
+        if row["emulated"] and EMULATE:
+            builds[row["name"] + "_emu"] = tiers_def.macros(row) + EMU_FLAGS
+    return builds
+
+
+TIERS = tier_builds()
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 # at::parallel_for is an inline template: it only runs in parallel in a translation unit compiled
@@ -72,9 +71,9 @@ class TierBuildExtension(BuildExtension):
     def build_extension(self, ext):
         tier_objects = []
         base = list(ext.extra_compile_args["cxx"])
-        for name, (src, flags, _) in ext._flashsdpa_tiers.items():
+        for name, flags in ext._flashsdpa_tiers.items():
             tier_objects += self.compiler.compile(
-                [src],
+                [TIER_SOURCE],
                 output_dir=os.path.join(self.build_temp, "tier_" + name),
                 macros=ext.define_macros,
                 include_dirs=ext.include_dirs,
@@ -86,19 +85,16 @@ class TierBuildExtension(BuildExtension):
 
 
 def make_extension():
-    tiers = {k: v for k, v in TIERS.items() if v[2]}
-    macros = [("FLASHSDPA_BUILD_" + k.upper(), "1") for k in tiers if k != "portable"]
     depends = [os.path.join("csrc", d, f) for d in ("", "cpu")
-               for f in os.listdir(os.path.join(ROOT, "csrc", d)) if f.endswith(".h")]
+               for f in os.listdir(os.path.join(ROOT, "csrc", d)) if f.endswith((".h", ".def"))]
     ext = CppExtension(
         name="flashsdpa._C",
         sources=GENERIC_SOURCES,
-        define_macros=macros,
         extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS},
         extra_link_args=OPENMP_FLAGS,
         depends=depends,
     )
-    ext._flashsdpa_tiers = tiers
+    ext._flashsdpa_tiers = TIERS
     return ext
 
 

@@ -13,6 +13,7 @@
 
 namespace py = pybind11;
 using flashsdpa::DType;
+using flashsdpa::cpu::Feature;
 using flashsdpa::cpu::Isa;
 
 namespace {
@@ -27,28 +28,23 @@ DType parse_dtype(const std::string& s) {
 Isa parse_isa_or_throw(const std::string& name) {
   Isa isa;
   if (!flashsdpa::cpu::parse_isa(name, &isa))
-    throw py::value_error("FLASHSDPA_CPU_ISA='" + name +
-                          "' is not a tier; use one of portable, avx2, avx512, avx512_bf16, amx");
+    throw py::value_error("FLASHSDPA_CPU_ISA='" + name + "' is not a tier; use one of " +
+                          flashsdpa::cpu::isa_names());
   return isa;
+}
+
+py::list feature_names(uint32_t bits) {
+  py::list out;
+  for (int i = 0; i < int(Feature::kCount); ++i)
+    if ((bits >> i) & 1u) out.append(flashsdpa::cpu::feature_name(Feature(i)));
+  return out;
 }
 
 py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
   py::dict d;
   d["x86"] = f.x86;
-  d["avx"] = f.avx;
-  d["avx2"] = f.avx2;
-  d["fma"] = f.fma;
-  d["f16c"] = f.f16c;
-  d["avx512f"] = f.avx512f;
-  d["avx512bw"] = f.avx512bw;
-  d["avx512vl"] = f.avx512vl;
-  d["avx512dq"] = f.avx512dq;
-  d["avx512_bf16"] = f.avx512_bf16;
-  d["amx_tile"] = f.amx_tile;
-  d["amx_bf16"] = f.amx_bf16;
-  d["os_avx"] = f.os_avx;
-  d["os_avx512"] = f.os_avx512;
-  d["os_amx"] = f.os_amx;
+  for (int i = 0; i < int(Feature::kCount); ++i)
+    d[flashsdpa::cpu::feature_name(Feature(i))] = f.has(Feature(i));
   d["amx_permitted"] = f.amx_permitted;
   py::list runnable;
   for (int i = 0; i < int(Isa::kCount); ++i)
@@ -57,19 +53,24 @@ py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
   return d;
 }
 
+// The tier table (tiers.def) with this binary's and this host's view of each row.
 py::list tiers_list() {
   py::list out;
   const auto& f = flashsdpa::cpu::host_features();
   for (int i = 0; i < int(Isa::kCount); ++i) {
     const Isa isa = Isa(i);
+    const auto& info = flashsdpa::cpu::tier_info(isa);
     py::dict t;
-    t["name"] = flashsdpa::cpu::isa_name(isa);
+    t["name"] = info.name;
     t["built"] = flashsdpa::cpu::built_tier(isa) != nullptr;
+    t["emulated"] = info.emulated;  // the table asks test builds for an emulated build
     t["emulated_build"] = flashsdpa::cpu::emulated_tier(isa) != nullptr;
     t["cpu_ok"] = f.can_run[i];
+    t["needs"] = feature_names(info.needs);
+    t["flags"] = info.flags;
     py::list dts;
     for (const char* dt : {"float32", "bfloat16", "float16"})
-      if (flashsdpa::cpu::tier_supports_dtype(isa, parse_dtype(dt))) dts.append(dt);
+      if (!info.bf16_only || std::string(dt) == "bfloat16") dts.append(dt);
     t["dtypes"] = dts;
     out.append(t);
   }

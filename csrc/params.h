@@ -122,17 +122,4 @@ struct CpuTier {
   float (*exp2_row_sum)(float* s, int n, float m);
 };
 
-namespace cpu {
-// One getter per tier source file (csrc/cpu/tiers/<tier>.cpp); null where the tier is not built.
-const CpuTier* portable_tier();
-const CpuTier* avx2_tier();
-const CpuTier* avx512_tier();
-const CpuTier* avx512_bf16_tier();
-const CpuTier* amx_tier();
-// Test-only emulated builds of the tiers above (SIMDe), when compiled in.
-const CpuTier* avx512_emu_tier();
-const CpuTier* avx512_bf16_emu_tier();
-const CpuTier* amx_emu_tier();
-}  // namespace cpu
-
 }  // namespace flashsdpa

@@ -10,10 +10,6 @@ import flashsdpa
 from flashsdpa import _C
 from flashsdpa._isa import ENV_VAR
 
-_FEATURES = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
-             "avx512_bf16", "amx_tile", "amx_bf16")
-
-
 def _yes(flag):
     return "yes" if flag else "no"
 
@@ -51,7 +47,8 @@ def report():
         f"CPU: {_C.cpu_brand()}",
     ]
     if f["x86"]:
-        lines.append("  CPUID:  " + " ".join(f"{k}={_yes(f[k])}" for k in _FEATURES))
+        cpuid = sorted({n for t in _C.tiers() for n in t["needs"] if not n.startswith("os_")})
+        lines.append("  CPUID:  " + " ".join(f"{k}={_yes(f[k])}" for k in cpuid))
         lines.append(f"  XCR0:   0x{raw['xcr0']:x} -> OS saves YMM={_yes(f['os_avx'])} "
                      f"ZMM={_yes(f['os_avx512'])} AMX tiles={_yes(f['os_amx'])}")
         lines.append(f"  Linux AMX permission (XTILEDATA): "

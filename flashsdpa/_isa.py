@@ -6,7 +6,6 @@ import torch
 
 from . import _C
 
-TIERS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
 ENV_VAR = "FLASHSDPA_CPU_ISA"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -13,7 +13,7 @@
 #include <string.h>
 
 namespace flashsdpa {
-namespace amx_emu {
+namespace amx_model {
 
 struct TileConfig {  // the 64-byte ldtilecfg memory operand
   uint8_t palette_id;
@@ -107,7 +107,7 @@ inline void dpbf16ps(int c, int a, int b) {
   }
 }
 
-}  // namespace amx_emu
+}  // namespace amx_model
 }  // namespace flashsdpa
 
 #undef _tile_loadconfig
@@ -116,9 +116,9 @@ inline void dpbf16ps(int c, int a, int b) {
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_dpbf16ps
-#define _tile_loadconfig(cfg) flashsdpa::amx_emu::loadconfig(cfg)
-#define _tile_release() flashsdpa::amx_emu::release()
-#define _tile_zero(t) flashsdpa::amx_emu::zero(t)
-#define _tile_loadd(t, base, stride) flashsdpa::amx_emu::loadd(t, base, stride)
-#define _tile_stored(t, base, stride) flashsdpa::amx_emu::stored(t, base, stride)
-#define _tile_dpbf16ps(c, a, b) flashsdpa::amx_emu::dpbf16ps(c, a, b)
+#define _tile_loadconfig(cfg) flashsdpa::amx_model::loadconfig(cfg)
+#define _tile_release() flashsdpa::amx_model::release()
+#define _tile_zero(t) flashsdpa::amx_model::zero(t)
+#define _tile_loadd(t, base, stride) flashsdpa::amx_model::loadd(t, base, stride)
+#define _tile_stored(t, base, stride) flashsdpa::amx_model::stored(t, base, stride)
+#define _tile_dpbf16ps(c, a, b) flashsdpa::amx_model::dpbf16ps(c, a, b)

@@ -12,6 +12,9 @@
 // after it (thread_begin / thread_end); Linux's permission to use tile data is requested once
 // per process before the tier is selected (csrc/cpu/isa.cpp).
 #pragma once
+#if defined(FLASHSDPA_EMULATE)
+#include "amx_emu.h"  // the test-only tile model, beside SIMDe
+#endif
 #include "avx512bf16_ops.h"
 
 namespace flashsdpa {
@@ -22,6 +25,8 @@ struct AmxOps : Avx512Bf16Ops {
   static constexpr int MR = 32;  // rows per block (and per causal row group)
   static constexpr int kTile = 16;
   static constexpr int kDepth = 32;  // bf16 elements per tile step (16 pairs)
+  FLASHSDPA_TRAIT_CAPS(AmxOps, /*scale_in_a=*/false, /*prep_a=*/true, /*fused_exp=*/false,
+                       /*transposed_s=*/false)
 
   struct alignas(64) TileConfig {
     uint8_t palette_id;

@@ -154,6 +154,8 @@ struct Avx2Ops : GenericOps {
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
+  FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
+                       /*transposed_s=*/false)
 
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
@@ -292,7 +294,6 @@ struct Avx2Ops : GenericOps {
   }
 
   // S GEMM with the exponentials fused into the tile stores (gemm_exp_loop, generic_ops.h).
-  static constexpr bool kFusedExp = true;
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
     gemm_exp_loop<Avx2Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);

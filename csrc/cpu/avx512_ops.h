@@ -80,6 +80,8 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
+  FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
+                       /*transposed_s=*/true)
 
   // B[kk][n] = src[kk*ld + n]; panels of 32 columns, zero beyond N.
   template <class T>
@@ -207,7 +209,6 @@ struct Avx512Ops : Avx2Ops {
 
   // (The fused exponentials computed from the accumulators in place, 3 free registers here;
   // AVX2's 16 registers do it out of line. In place measured +0.8% over out of line here.)
-  static constexpr bool kFusedExp = true;
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
     gemm_exp_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
@@ -218,7 +219,6 @@ struct Avx512Ops : Avx2Ops {
   // floats apart], ncols a multiple of 16. Per column: m' = max(m, column max),
   // alpha = 2^(m - m'), P = 2^(s - m') in place, l = alpha * l + column sum; alpha stored for
   // the caller (acc rows). A column with nothing but -inf keeps m = -inf, P = 0, alpha = 0.
-  static constexpr bool kTransposedS = true;
   static void softmax_cols(float* st, int ld, int nk, int ncols, float* m, float* l,
                            float* alpha) {
     const __m512 ninf = _mm512_set1_ps(kNegInf);

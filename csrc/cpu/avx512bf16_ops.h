@@ -9,7 +9,7 @@
 //   A^T     for gemm<true>: pair (kk, kk+1) of column m adjacent, "rows" of pairs ld apart
 //           (prep_a<true>, the P^T / dS^T of the dV / dK products)
 //   B       panels of 32 columns as [K/2][32][2] bf16 (VNNI-2), K padded to even with zeros
-// The scores' scale is applied in fp32 by score_row (kScaleInA = false): folding it into bf16 Q
+// The scores' scale is applied in fp32 by score_row (scale_in_a is false): folding it into bf16 Q
 // would round Q a second time.
 //
 // Micro-kernel: 12 rows x 32 columns in 24 zmm accumulators; per pair of inner steps 2 B loads
@@ -41,10 +41,9 @@ inline __m256i cvt16_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 struct Avx512Bf16Ops : Avx512Ops {
   static constexpr int NR = 32;
   static constexpr int MR = 12;
-  static constexpr bool kScaleInA = false;
-  static constexpr bool kPrepA = true;
-  static constexpr bool kFusedExp = false;  // Avx512Ops::gemm_exp is fp32-operand only
-  static constexpr bool kTransposedS = false;  // so is the transposed-score path
+  // Avx512Ops' fused exponentials and transposed scores take fp32 operands: off here
+  FLASHSDPA_TRAIT_CAPS(Avx512Bf16Ops, /*scale_in_a=*/false, /*prep_a=*/true, /*fused_exp=*/false,
+                       /*transposed_s=*/false)
 
   // Pair (a, b) -> one 32-bit word: a in the low half.
   static inline __m512i interleave_lo(__m512i a, __m512i b) {  // columns 0..15
@@ -60,7 +59,7 @@ struct Avx512Bf16Ops : Avx512Ops {
     return _mm512_permutex2var_epi16(a, idx, b);
   }
 
-  // A rows in bf16 (mul is 1: kScaleInA is false); an odd row length gets a zero pair partner.
+  // A rows in bf16 (mul is 1: scale_in_a is false); an odd row length gets a zero pair partner.
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
                         float mul) {
@@ -225,7 +224,8 @@ struct Avx512Bf16Ops : Avx512Ops {
 // as bf16 pairs along the head dim), P V on vdpbf16ps with P rounded to bf16 (V rows unpacked
 // into key pairs in registers).
 struct Avx512Bf16DecodeOps : Avx512Ops {
-  static constexpr bool kScaleInA = false;
+  FLASHSDPA_TRAIT_CAPS(Avx512Bf16DecodeOps, /*scale_in_a=*/false, /*prep_a=*/false,
+                       /*fused_exp=*/false, /*transposed_s=*/false)
 
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,

@@ -56,7 +56,7 @@ struct FlashBackward {
     L.dv = take(int64_t(bl.bk) * dvp);    // dV accumulator
     L.dq = take(int64_t(bl.bq) * dp_);    // dQ accumulator
     L.mask = take(int64_t(bl.bq) * bkp);
-    L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
+    L.a16 = take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
     L.total = off;
     return L;
   }
@@ -105,7 +105,7 @@ struct FlashBackward {
       const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
       const int valid = causal_valid(p, i, j0, nk);
-      const float mx = Ops::score_row(srow, w, Ops::kScaleInA ? 1.0f : p.scale * kLog2e,
+      const float mx = Ops::score_row(srow, w, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
                                       mt.row(mtile, r), valid);
       if (mx == kNegInf) {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
@@ -140,7 +140,7 @@ struct FlashBackward {
   static void load_q_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
                           int64_t h, int64_t i0, int nq, bool panels) {
     Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq,
-                   Ops::kScaleInA ? p.scale * kLog2e : 1.0f);
+                   caps<Ops>().scale_in_a ? p.scale * kLog2e : 1.0f);
     Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo, 1.0f);
     if (panels) {
       Ops::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.qp);

@@ -89,8 +89,8 @@ struct FlashDecode {
     float* l = scratch + L.l;
     float* mbuf = scratch + L.mask;
     const float scale_log2 = p.scale * kLog2e;
-    const float q_mul = Ops::kScaleInA ? scale_log2 : 1.0f;  // folded into Q, or
-    const float s_mul = Ops::kScaleInA ? 1.0f : scale_log2;  // applied to the scores
+    const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
+    const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
 
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;

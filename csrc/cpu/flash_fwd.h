@@ -11,7 +11,7 @@
 //     acc = alpha * acc + dropout(P) V_blk                 (gemm)
 //   out = acc / l;  lse = ln(2) * (m + log2(l))
 // Rows with nothing to attend to (l == 0) give out = 0 and lse = 0, as PyTorch's kernel does.
-// Fused exponentials (traits with kFusedExp, fp32 AVX2 / AVX-512): on a block where every row
+// Fused exponentials (traits with fused_exp, fp32 AVX2 / AVX-512): on a block where every row
 // sees every column (no mask, no dropout, below the causal diagonal, whole panels), P = 2^(s - m)
 // comes straight from the S GEMM's tile stores with m the running max of the earlier blocks, or
 // 0 on the first block (no max pass; the exp work overlaps the GEMM). A row whose block sum
@@ -20,7 +20,7 @@
 // block through the two-pass path. Interleaved A/B, fp32 forward suite: +2.8% geomean (avx512),
 // +0.6% (avx2) for the later blocks; the first block too: +1.6% more (avx512; (8,12,256,64),
 // one kv block per row, +4.7%).
-// Transposed scores (traits with kTransposedS, AVX-512, fp32 inputs, no mask / dropout / causal
+// Transposed scores (traits with transposed_s, AVX-512, fp32 inputs, no mask / dropout / causal
 // cut; run_item_t): S^T = K_blk Q_blk^T instead, with the rows of K read in place as the GEMM's
 // A operand and Q_blk^T packed once per item as its B panels, so that no K^T (nor, when Dv is a
 // multiple of the panel width, V) panels are packed at all; the online softmax runs down the
@@ -51,7 +51,7 @@ struct FlashForward {
 
   // The transposed-score path (run_item_t): fp32 inputs, no mask, no dropout, no causal cut.
   static bool transposed(const AttnParams& p) {
-    if constexpr (Ops::kTransposedS && std::is_same_v<T, float>)
+    if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>)
       return p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
              p.k_sl <= INT32_MAX;  // K's row stride is the GEMM's int lda
     return false;
@@ -78,8 +78,8 @@ struct FlashForward {
     L.m = take(bqp);  // per query row: whole panels of them in the transposed path
     L.l = take(bqp);
     L.mask = take(int64_t(bl.bq) * bkp);
-    L.a16 = take(Ops::kPrepA ? int64_t(bl.bq) * bkp : 0);
-    L.sv = take(Ops::kFusedExp ? int64_t(bl.bq) * 16 : 0);
+    L.a16 = take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
+    L.sv = take(caps<Ops>().fused_exp ? int64_t(bl.bq) * 16 : 0);
     const bool tr = transposed(p);
     L.ldt = int(bqp);
     L.qt = take(tr ? bqp * p.D : 0);
@@ -156,7 +156,7 @@ struct FlashForward {
   // sum checks as the row path, else the two-pass softmax_cols; padding columns (past nq, zero
   // queries) keep reference 0 and are never read.
   static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    if constexpr (Ops::kTransposedS && std::is_same_v<T, float>) {
+    if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>) {
       const Layout L = layout(p, bl);
       const ItemPos pos = item_pos(p, bl, item);
       const int64_t b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
@@ -253,8 +253,8 @@ struct FlashForward {
     float* l = scratch + L.l;
     MaskTile mt{scratch + L.mask, L.lds, false};
     const float scale_log2 = p.scale * kLog2e;
-    const float q_mul = Ops::kScaleInA ? scale_log2 : 1.0f;  // folded into Q, or
-    const float s_mul = Ops::kScaleInA ? 1.0f : scale_log2;  // applied to the scores
+    const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
+    const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
     const bool dropout = p.dropout_p > 0.0f;
 
     // Q_blk [nq, D] in fp32
@@ -288,7 +288,7 @@ struct FlashForward {
       // rows only computes the columns its last row can see (CausalTile).
       const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
       bool any_row = false;
-      if constexpr (Ops::kFusedExp) {
+      if constexpr (caps<Ops>().fused_exp) {
         // Every row sees every column and has a finite running max: P = 2^(S - m) straight from
         // the GEMM's tile stores, against the max of the earlier blocks rather than this one's.
         // The same online softmax with another reference point: a row whose block sum grows
@@ -299,7 +299,7 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == 0;
-        if (Ops::kScaleInA && (m_finite || first) && !ct.diagonal &&
+        if (caps<Ops>().scale_in_a && (m_finite || first) && !ct.diagonal &&
             p.mask_type == MaskType::None && !dropout && nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;

@@ -133,7 +133,7 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 }
 
 // The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
-// trait with kFusedExp (its micro_tile<false, R, true> stores 2^(C - mref[row]) and adds each
+// trait with fused_exp (its micro_tile<false, R, true> stores 2^(C - mref[row]) and adds each
 // row's vectors to sumv + 16 row): N a multiple of NR, every row sees every column, sumv zeroed
 // by the caller. Saves the separate max and exp passes over S, and the exp work of a tile
 // overlaps the next tile's FMAs. (flash_fwd.h: the reference is the running max of the earlier
@@ -179,6 +179,30 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
   });
 }
 
+// What a trait offers beyond the common interface, and its operand formats. Each trait states
+// its own (FLASHSDPA_TRAIT_CAPS in its body): capabilities are never inherited from the trait a
+// trait takes its code from, so a fast path written for one operand format cannot switch on
+// silently in a derived trait with another (caps<Ops>() refuses to compile otherwise).
+struct TraitCaps {
+  // scale_in_a: the scores' scale * log2(e) is folded into the fp32 copy of Q (else score_row
+  // applies it). prep_a: A operands made from fp32 tiles (P, dS) go through prep_a (a tier with
+  // another operand format converts them; fp32 tiers use them in place).
+  bool scale_in_a, prep_a;
+  // fused_exp: gemm_exp, the S GEMM with the softmax's exponentials fused into its tile stores
+  // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
+  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t).
+  bool fused_exp, transposed_s;
+};
+#define FLASHSDPA_TRAIT_CAPS(Self, scale_in_a, prep_a, fused_exp, transposed_s) \
+  using CapsOwner = Self;                                                         \
+  static constexpr TraitCaps kCaps{scale_in_a, prep_a, fused_exp, transposed_s};
+template <class Ops>
+constexpr TraitCaps caps() {
+  static_assert(std::is_same<typename Ops::CapsOwner, Ops>::value,
+                "each trait states its own capabilities (FLASHSDPA_TRAIT_CAPS)");
+  return Ops::kCaps;
+}
+
 // The trait the decode path uses (a tier whose operand format does not suit the short-query
 // kernels specialises this to an fp32 trait).
 template <class Ops>
@@ -189,17 +213,8 @@ struct DecodeOpsOf {
 struct GenericOps {
   static constexpr int NR = 8;   // panel width: 2 vectors
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
-  // Operand formats. kScaleInA: the scores' scale * log2(e) is folded into the fp32 copy of Q
-  // (else score_row applies it). kPrepA: A operands made from fp32 tiles (P, dS) go through
-  // prep_a (a tier with another operand format converts them; fp32 tiers use them in place).
-  static constexpr bool kScaleInA = true;
-  static constexpr bool kPrepA = false;
-  // kFusedExp: the trait has gemm_exp, the S GEMM with the softmax's exponentials fused into
-  // its tile stores (flash_fwd.h; Avx2Ops and Avx512Ops).
-  static constexpr bool kFusedExp = false;
-  // kTransposedS: the trait has softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
-  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t; Avx512Ops).
-  static constexpr bool kTransposedS = false;
+  FLASHSDPA_TRAIT_CAPS(GenericOps, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/false,
+                       /*transposed_s=*/false)
 
   // Called by each thread before and after a run of work items (per-thread CPU state, such as
   // the AMX tile configuration).

@@ -14,11 +14,56 @@
 #include <unistd.h>
 #endif
 
+namespace {
+constexpr int kOsxsaveBit = 27;  // CPUID.1:ECX: the OS enabled XSAVE (xgetbv works)
+}
+
 namespace flashsdpa {
 namespace cpu {
 
+// Tier getters, one per row of tiers.def, defined by csrc/cpu/tier.cpp's builds. Declared weak:
+// a tier this binary does not build (another architecture, no SIMDe for an emulated one) has
+// no definition, and its getter's address reads as null.
+#define FLASHSDPA_TIER(name, ...)                              \
+  const CpuTier* tier_##name() __attribute__((weak));          \
+  const CpuTier* tier_##name##_emu() __attribute__((weak));
+#include "tiers.def"
+
 namespace {
-constexpr const char* kIsaNames[] = {"portable", "avx2", "avx512", "avx512_bf16", "amx"};
+
+// Each feature's bit in CpuFeatures::bits.
+namespace feature_bit {
+#define FLASHSDPA_CPU_FEATURE(name, word, bit) constexpr uint32_t name = 1u << int(Feature::name);
+#define FLASHSDPA_OS_FEATURE(name, mask) constexpr uint32_t name = 1u << int(Feature::name);
+#include "tiers.def"
+}  // namespace feature_bit
+
+constexpr bool ALL_DTYPES = false, BF16_ONLY = true;
+
+const TierInfo kTiers[] = {
+#define FLASHSDPA_TIER(name, arch, header, ops, dtypes, emulated, needs, flags) \
+  {#name, [] {                                                                 \
+     using namespace feature_bit;                                              \
+     return uint32_t(needs);                                                   \
+   }(),                                                                        \
+   dtypes, emulated != 0, flags},
+#include "tiers.def"
+};
+
+struct Getters {
+  const CpuTier* (*built)();
+  const CpuTier* (*emulated)();
+};
+const Getters kGetters[] = {
+#define FLASHSDPA_TIER(name, ...) {&tier_##name, &tier_##name##_emu},
+#include "tiers.def"
+};
+
+constexpr const char* kFeatureNames[] = {
+#define FLASHSDPA_CPU_FEATURE(name, word, bit) #name,
+#define FLASHSDPA_OS_FEATURE(name, mask) #name,
+#include "tiers.def"
+};
 
 inline bool bit(uint64_t word, int b) { return (word >> b) & 1u; }
 
@@ -52,16 +97,24 @@ std::atomic<int> g_cap{-1};       // -1: no cap
 std::atomic<int> g_emulated{-1};  // -1: no emulated tier
 }  // namespace
 
-const char* isa_name(Isa isa) { return kIsaNames[int(isa)]; }
+const char* isa_name(Isa isa) { return kTiers[int(isa)].name; }
+const char* feature_name(Feature f) { return kFeatureNames[int(f)]; }
+const TierInfo& tier_info(Isa isa) { return kTiers[int(isa)]; }
 
 bool parse_isa(const std::string& name, Isa* out) {
   for (int i = 0; i < int(Isa::kCount); ++i) {
-    if (name == kIsaNames[i]) {
+    if (name == kTiers[i].name) {
       *out = Isa(i);
       return true;
     }
   }
   return false;
+}
+
+std::string isa_names() {
+  std::string s;
+  for (int i = 0; i < int(Isa::kCount); ++i) s += (i ? ", " : "") + std::string(kTiers[i].name);
+  return s;
 }
 
 RawCpuid read_cpuid() {
@@ -83,7 +136,7 @@ RawCpuid read_cpuid() {
       r.leaf7_1_eax = a;
     }
   }
-  if (bit(r.leaf1_ecx, 27)) {  // OSXSAVE: xgetbv is available
+  if (bit(r.leaf1_ecx, kOsxsaveBit)) {  // xgetbv is available
     uint32_t lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     r.xcr0 = (uint64_t(hi) << 32) | lo;
@@ -98,38 +151,23 @@ RawCpuid read_cpuid() {
 CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
   CpuFeatures f;
   f.x86 = is_x86;
-  if (!is_x86) {
-    f.can_run[int(Isa::Portable)] = true;
-    return f;
-  }
-  const bool osxsave = bit(r.leaf1_ecx, 27);
-  f.fma = bit(r.leaf1_ecx, 12);
-  f.avx = bit(r.leaf1_ecx, 28);
-  f.f16c = bit(r.leaf1_ecx, 29);
-  if (r.max_leaf >= 7) {
-    f.avx2 = bit(r.leaf7_ebx, 5);
-    f.avx512f = bit(r.leaf7_ebx, 16);
-    f.avx512dq = bit(r.leaf7_ebx, 17);
-    f.avx512bw = bit(r.leaf7_ebx, 30);
-    f.avx512vl = bit(r.leaf7_ebx, 31);
-    f.amx_bf16 = bit(r.leaf7_edx, 22);
-    f.amx_tile = bit(r.leaf7_edx, 24);
-    f.avx512_bf16 = bit(r.leaf7_1_eax, 5);
-  }
-  f.os_avx = osxsave && bit(r.xcr0, 1) && bit(r.xcr0, 2);
-  f.os_avx512 = f.os_avx && bit(r.xcr0, 5) && bit(r.xcr0, 6) && bit(r.xcr0, 7);
-  f.os_amx = osxsave && bit(r.xcr0, 17) && bit(r.xcr0, 18);
+  f.can_run[int(Isa::portable)] = true;
+  if (!is_x86) return f;
+  const bool osxsave = bit(r.leaf1_ecx, kOsxsaveBit);
+  const auto word = [&](uint64_t w, uint32_t min_leaf) { return r.max_leaf >= min_leaf ? w : 0; };
+  const uint64_t leaf1_ecx = r.leaf1_ecx, leaf7_ebx = word(r.leaf7_ebx, 7),
+                 leaf7_edx = word(r.leaf7_edx, 7), leaf7_1_eax = word(r.leaf7_1_eax, 7);
+#define FLASHSDPA_CPU_FEATURE(name, w, b) \
+  if (bit(w, b)) f.bits |= feature_bit::name;
+#define FLASHSDPA_OS_FEATURE(name, mask) \
+  if (osxsave && (r.xcr0 & (mask)) == (mask)) f.bits |= feature_bit::name;
+#include "tiers.def"
   f.amx_permitted = r.amx_permitted;
-
-  bool* run = f.can_run;
-  run[int(Isa::Portable)] = true;
-  run[int(Isa::Avx2)] = f.avx && f.avx2 && f.fma && f.f16c && f.os_avx;
-  run[int(Isa::Avx512)] =
-      run[int(Isa::Avx2)] && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.os_avx512;
-  run[int(Isa::Avx512Bf16)] = run[int(Isa::Avx512)] && f.avx512_bf16;
-  // The AMX permission can still be requested at first use, so it does not gate the tier here;
-  // the report shows whether it is already granted.
-  run[int(Isa::Amx)] = run[int(Isa::Avx512Bf16)] && f.amx_tile && f.amx_bf16 && f.os_amx;
+  // A tier needs its own row's features and those of every row above it. (The AMX permission
+  // can still be requested at first use, so it does not gate the tier here; the report shows
+  // whether it is already granted.)
+  for (int i = 1; i < int(Isa::kCount); ++i)
+    f.can_run[i] = f.can_run[i - 1] && (f.bits & kTiers[i].needs) == kTiers[i].needs;
   return f;
 }
 
@@ -158,28 +196,18 @@ std::string cpu_brand() {
 }
 
 const CpuTier* built_tier(Isa isa) {
-  switch (isa) {
-    case Isa::Portable: return portable_tier();
-#if defined(FLASHSDPA_BUILD_AVX2)
-    case Isa::Avx2: return avx2_tier();
-#endif
-#if defined(FLASHSDPA_BUILD_AVX512)
-    case Isa::Avx512: return avx512_tier();
-#endif
-#if defined(FLASHSDPA_BUILD_AVX512_BF16)
-    case Isa::Avx512Bf16: return avx512_bf16_tier();
-#endif
-#if defined(FLASHSDPA_BUILD_AMX)
-    case Isa::Amx: return amx_tier();
-#endif
-    default: return nullptr;
-  }
+  const auto getter = kGetters[int(isa)].built;
+  return getter ? getter() : nullptr;
+}
+
+const CpuTier* emulated_tier(Isa isa) {
+  const auto getter = kGetters[int(isa)].emulated;
+  return getter ? getter() : nullptr;
 }
 
 bool tier_supports_dtype(Isa isa, DType dt) {
   if (!built_tier(isa)) return false;
-  if (isa == Isa::Avx512Bf16 || isa == Isa::Amx) return dt == DType::BF16;
-  return true;
+  return !kTiers[int(isa)].bf16_only || dt == DType::BF16;
 }
 
 void set_isa_cap(Isa cap) {
@@ -195,21 +223,6 @@ Isa isa_cap() {
   return c < 0 ? Isa(int(Isa::kCount) - 1) : Isa(c);
 }
 
-const CpuTier* emulated_tier(Isa isa) {
-  switch (isa) {
-#if defined(FLASHSDPA_BUILD_AVX512_EMU)
-    case Isa::Avx512: return avx512_emu_tier();
-#endif
-#if defined(FLASHSDPA_BUILD_AVX512_BF16_EMU)
-    case Isa::Avx512Bf16: return avx512_bf16_emu_tier();
-#endif
-#if defined(FLASHSDPA_BUILD_AMX_EMU)
-    case Isa::Amx: return amx_emu_tier();
-#endif
-    default: return nullptr;
-  }
-}
-
 void set_emulated_tier(Isa isa) {
   TORCH_CHECK(emulated_tier(isa) != nullptr, "flashsdpa: no emulated build of the ",
               isa_name(isa), " tier (build with SIMDe installed: Debian's libsimde-dev)");
@@ -219,7 +232,7 @@ void clear_emulated_tier() { g_emulated.store(-1); }
 
 bool emulated_tier_active(DType dt) {
   const int e = g_emulated.load();
-  return e >= 0 && (Isa(e) == Isa::Avx512Bf16 || Isa(e) == Isa::Amx ? dt == DType::BF16 : true);
+  return e >= 0 && (!kTiers[e].bf16_only || dt == DType::BF16);
 }
 
 Isa selected_isa(DType dt) {
@@ -227,10 +240,10 @@ Isa selected_isa(DType dt) {
   const CpuFeatures& f = host_features();
   for (int i = int(isa_cap()); i > 0; --i) {
     if (!f.can_run[i] || !tier_supports_dtype(Isa(i), dt)) continue;
-    if (Isa(i) == Isa::Amx && !amx_usable()) continue;
+    if (Isa(i) == Isa::amx && !amx_usable()) continue;
     return Isa(i);
   }
-  return Isa::Portable;
+  return Isa::portable;
 }
 
 const CpuTier& selected_tier(DType dt) {

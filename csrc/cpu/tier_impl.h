@@ -1,6 +1,5 @@
-// Glue from the blocked algorithms to the CpuTier table: phase planning, dtype dispatch.
-// A tier source defines FLASHSDPA_TIER_NS, its Ops trait, and then
-//   FLASHSDPA_DEFINE_TIER(<getter>, <Ops>, "<name>")
+// Glue from the blocked algorithms to the CpuTier interface: phase planning, dtype dispatch
+// (instantiated once per tier by csrc/cpu/tier.cpp).
 #pragma once
 #include "flash_bwd.h"
 #include "flash_decode.h"
@@ -107,15 +106,3 @@ struct TierImpl {
 }  // namespace FLASHSDPA_TIER_NS
 }  // namespace cpu
 }  // namespace flashsdpa
-
-#define FLASHSDPA_DEFINE_TIER(getter, OPS, NAME)                                        \
-  namespace flashsdpa {                                                                         \
-  namespace cpu {                                                                               \
-  const CpuTier* getter() {                                                                     \
-    static const CpuTier tier{NAME, &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::plan, \
-                              &FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::OPS>::run,         \
-                              &FLASHSDPA_TIER_NS::OPS::exp2_row_sum};                            \
-    return &tier;                                                                               \
-  }                                                                                             \
-  }                                                                                             \
-  }

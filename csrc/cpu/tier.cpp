@@ -1,0 +1,33 @@
+// The one tier source: compiled once per row of tiers.def with that row's flags, and again
+// against SIMDe (FLASHSDPA_EMULATE, AVX2 flags) for each emulated tier. setup.py passes the row:
+//   FLASHSDPA_TIER         the tier's name, which is also its namespace (name_emu when emulated)
+//   FLASHSDPA_TIER_HEADER  the traits header, FLASHSDPA_TIER_OPS its micro-kernel trait
+// Everything here lives in the tier's own namespace, so no inline function is shared between
+// translation units compiled for different instruction sets. The tier is reached only through
+// the getter defined at the end (declared weak in isa.cpp: a tier not built reads as null).
+#if !defined(FLASHSDPA_TIER) || !defined(FLASHSDPA_TIER_HEADER) || !defined(FLASHSDPA_TIER_OPS)
+#error "csrc/cpu/tier.cpp is compiled by setup.py, once per row of csrc/cpu/tiers.def"
+#endif
+#define FLASHSDPA_CAT2(a, b) a##b
+#define FLASHSDPA_CAT(a, b) FLASHSDPA_CAT2(a, b)
+#define FLASHSDPA_STR2(x) #x
+#define FLASHSDPA_STR(x) FLASHSDPA_STR2(x)
+#if defined(FLASHSDPA_EMULATE)
+#include "simde_emu.h"
+#define FLASHSDPA_TIER_NS FLASHSDPA_CAT(FLASHSDPA_TIER, _emu)
+#else
+#define FLASHSDPA_TIER_NS FLASHSDPA_TIER
+#endif
+#include FLASHSDPA_STR(FLASHSDPA_TIER_HEADER)
+#include "tier_impl.h"
+
+namespace flashsdpa {
+namespace cpu {
+const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
+  using Impl = FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS>;
+  static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), &Impl::plan, &Impl::run,
+                            &FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS::exp2_row_sum};
+  return &tier;
+}
+}  // namespace cpu
+}  // namespace flashsdpa

@@ -39,7 +39,8 @@ EMULATE = IS_X86 and SIMDE is not None and os.environ.get("FLASHSDPA_NO_EMULATED
 EMU_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DFLASHSDPA_EMULATE"] + (
     ["-isystem", SIMDE] if SIMDE and SIMDE not in ("/usr/include", "/usr/local/include") else [])
 
-GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/routing.cpp", "csrc/autograd.cpp", "csrc/module.cpp",
+GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/plan.cpp", "csrc/driver.cpp", "csrc/routing.cpp",
+                   "csrc/autograd.cpp", "csrc/module.cpp",
                    "csrc/cpu/isa.cpp"]
 TIER_SOURCE = "csrc/cpu/tier.cpp"  # compiled once per tier build below
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sdpa import DTYPES, flops, parse_shapes  # noqa: E402
 
 import flashsdpa  # noqa: E402
-from flashsdpa import _C  # noqa: E402
+from flashsdpa import _testing  # noqa: E402
 
 
 def main(argv=None):
@@ -46,10 +46,8 @@ def main(argv=None):
                 out.backward(grad)
 
         def set_cfg(bq, bk):
-            if args.mode == "fwd":
-                _C.set_block_override(bq, bk, 0, 0)
-            else:
-                _C.set_block_override(0, 0, bq, bk)
+            side = "fwd" if args.mode == "fwd" else "bwd"
+            _testing.set_policy({f"{side}_bq": bq, f"{side}_bk": bk})
 
         times = {c: [] for c in configs}
         for c in configs:  # warm-up
@@ -61,7 +59,7 @@ def main(argv=None):
                 t0 = time.perf_counter()
                 step()
                 times[c].append(time.perf_counter() - t0)
-        _C.set_block_override(0, 0, 0, 0)
+        _testing.set_policy({})
         fl = flops(B, Hq, L, L, D, args.causal, args.mode)
         print(f"{B}x{Hq}/{Hkv}x{L}x{D} {args.dtype} {'causal' if args.causal else ''}")
         for c, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):

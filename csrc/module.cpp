@@ -1,11 +1,14 @@
-// Python bindings of flashsdpa._C: CPU feature report, tier selection and test hooks.
+// Python bindings of flashsdpa._C: CPU feature report, tier selection, routing switch, and (in
+// the `testing` submodule) the test and tuning hooks.
 // The ops themselves are registered with TORCH_LIBRARY in ops.cpp.
 #include <torch/extension.h>
 
 #include <string>
 
 #include "cpu/isa.h"
+#include "driver.h"
 #include "ops.h"
+#include "plan.h"
 #include "routing.h"
 
 #define FLASHSDPA_TIER_NS reference
@@ -68,6 +71,12 @@ py::list tiers_list() {
     t["cpu_ok"] = f.can_run[i];
     t["needs"] = feature_names(info.needs);
     t["flags"] = info.flags;
+    py::list paths;  // the trait's optional kernel paths (plan.cpp decides when they run)
+    if (const flashsdpa::CpuTier* built = flashsdpa::cpu::built_tier(isa)) {
+      if (built->fused_exp) paths.append("fused_exp");
+      if (built->transposed_s) paths.append("transposed");
+    }
+    t["paths"] = paths;
     py::list dts;
     for (const char* dt : {"float32", "bfloat16", "float16"})
       if (!info.bf16_only || std::string(dt) == "bfloat16") dts.append(dt);
@@ -123,6 +132,51 @@ py::dict raw_cpuid() {
   return d;
 }
 
+// The policy override as a dict and back (field names as in plan.h).
+#define FLASHSDPA_POLICY_FIELDS(X) \
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fwd_bq) X(fwd_bk) \
+  X(bwd_bq) X(bwd_bk)
+
+py::dict policy_dict(const flashsdpa::PolicyOverride& o) {
+  py::dict d;
+#define FLASHSDPA_PUT(f) d[#f] = o.f;
+  FLASHSDPA_POLICY_FIELDS(FLASHSDPA_PUT)
+#undef FLASHSDPA_PUT
+  return d;
+}
+
+void set_policy(const py::dict& d) {
+  flashsdpa::PolicyOverride o;
+  for (const auto& item : d) {
+    const std::string key = item.first.cast<std::string>();
+    bool known = false;
+#define FLASHSDPA_GET(f)                \
+  if (key == #f) {                      \
+    o.f = item.second.cast<int>();      \
+    known = true;                       \
+  }
+    FLASHSDPA_POLICY_FIELDS(FLASHSDPA_GET)
+#undef FLASHSDPA_GET
+    if (!known) throw py::value_error("flashsdpa: unknown policy field '" + key + "'");
+  }
+  flashsdpa::set_policy_override(o);
+}
+
+py::dict last_policy_dict() {
+  const flashsdpa::KernelPolicy pol = flashsdpa::last_policy();
+  py::dict d;
+  d["tier"] = pol.tier ? flashsdpa::cpu::isa_name(pol.isa) : "";
+  d["decode"] = pol.decode;
+  d["transposed"] = pol.transposed;
+  d["prepack"] = pol.prepack;
+  d["fused_exp"] = pol.fused_exp;
+  d["whole_q"] = pol.whole_q;
+  d["fused_bwd"] = pol.fused_bwd;
+  d["bq"] = pol.bq;
+  d["bk"] = pol.bk;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -130,8 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_features", [] { return features_dict(flashsdpa::cpu::host_features()); },
         "CPU features seen by flashsdpa (CPUID + XCR0 + the Linux AMX permission)");
   m.def("raw_cpuid", &raw_cpuid, "the raw CPUID / XCR0 words feature detection decodes");
-  m.def("decode_features", &decode_raw, py::arg("raw"), py::arg("is_x86") = true,
-        "test hook: decode fake CPUID/XCR0 words");
   m.def("cpu_brand", &flashsdpa::cpu::cpu_brand);
   m.def("tiers", &tiers_list, "every tier: built?, runnable on this CPU?, dtypes");
   m.def(
@@ -154,38 +206,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::string(flashsdpa::cpu::isa_name(flashsdpa::cpu::selected_isa(parse_dtype(dt))));
       },
       py::arg("dtype"));
-  m.def(
-      "set_emulated_tier",
-      [](const std::string& name) {
-        if (name.empty()) {
-          flashsdpa::cpu::clear_emulated_tier();
-        } else {
-          flashsdpa::cpu::set_emulated_tier(parse_isa_or_throw(name));
-        }
-      },
-      py::arg("name"), "test hook: run the SIMDe-emulated build of a tier ('' to stop)");
-  m.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
-  m.def("debug_poison", &flashsdpa::debug_poison);
-  m.def(
-      "set_kv_prepack",
-      [](const std::string& mode) {
-        using flashsdpa::KvPrepack;
-        if (mode == "auto") flashsdpa::set_kv_prepack(KvPrepack::Auto);
-        else if (mode == "never") flashsdpa::set_kv_prepack(KvPrepack::Never);
-        else if (mode == "always") flashsdpa::set_kv_prepack(KvPrepack::Always);
-        else throw py::value_error("set_kv_prepack: mode must be auto, never or always");
-      },
-      py::arg("mode"), "test hook: force the K/V pre-pack phase on or off");
-  m.def(
-      "set_bwd_strategy",
-      [](const std::string& mode) {
-        using flashsdpa::BwdStrategy;
-        if (mode == "auto") flashsdpa::set_bwd_strategy(BwdStrategy::Auto);
-        else if (mode == "two_sweep") flashsdpa::set_bwd_strategy(BwdStrategy::TwoSweep);
-        else if (mode == "fused") flashsdpa::set_bwd_strategy(BwdStrategy::Fused);
-        else throw py::value_error("set_bwd_strategy: mode must be auto, two_sweep or fused");
-      },
-      py::arg("mode"), "test hook: force the backward strategy");
   m.def("routing_enable", &flashsdpa::routing_enable,
         "install the aten SDPA overrides (flashsdpa.enable)");
   m.def("routing_disable", &flashsdpa::routing_disable, "remove them (flashsdpa.disable)");
@@ -228,20 +248,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("fn"), "called once per distinct fallback reason");
   m.def("reset_fallback_notes", &flashsdpa::reset_fallback_notes);
-  m.def(
-      "set_decode_policy",
-      [](const std::string& mode) {
-        using flashsdpa::DecodePolicy;
-        if (mode == "auto") flashsdpa::set_decode_policy(DecodePolicy::Auto);
-        else if (mode == "never") flashsdpa::set_decode_policy(DecodePolicy::Never);
-        else if (mode == "always") flashsdpa::set_decode_policy(DecodePolicy::Always);
-        else throw py::value_error("set_decode_policy: mode must be auto, never or always");
+
+  // Test and tuning hooks (flashsdpa/_testing.py wraps them): not part of the public surface.
+  py::module_ t = m.def_submodule("testing", "test and tuning hooks (flashsdpa._testing)");
+  t.def("decode_features", &decode_raw, py::arg("raw"), py::arg("is_x86") = true,
+        "decode fake CPUID/XCR0 words");
+  t.def(
+      "set_emulated_tier",
+      [](const std::string& name) {
+        if (name.empty()) {
+          flashsdpa::cpu::clear_emulated_tier();
+        } else {
+          flashsdpa::cpu::set_emulated_tier(parse_isa_or_throw(name));
+        }
       },
-      py::arg("mode"), "test hook: force the split-KV decode path on or off");
-  m.def("set_block_override", &flashsdpa::set_block_override, py::arg("fwd_bq") = 0,
-        py::arg("fwd_bk") = 0, py::arg("bwd_bq") = 0, py::arg("bwd_bk") = 0,
-        "tuning hook: block sizes replacing the tier's choice (0 keeps it)");
-  m.def(
+      py::arg("name"), "run the SIMDe-emulated build of a tier ('' to stop)");
+  t.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
+  t.def("debug_poison", &flashsdpa::debug_poison);
+  t.def("set_policy", &set_policy, py::arg("policy"),
+        "force parts of the kernel policy: a dict of PolicyOverride fields (-1 / 0: the plan's)");
+  t.def("policy", [] { return policy_dict(flashsdpa::policy_override()); });
+  t.def("last_policy", &last_policy_dict, "the kernel policy of this thread's last CPU call");
+  t.def("set_path_counting", &flashsdpa::set_path_counting, py::arg("on"),
+        "count the fast paths taken inside the kernels (reset when switched)");
+  t.def("path_counts", [] {
+    py::dict d;
+    const auto* c = flashsdpa::path_counters();
+    d["fused_exp_blocks"] = c ? c->fused_exp_blocks.load() : 0;
+    return d;
+  });
+  t.def(
       "exp2_row_sum",
       [](const at::Tensor& x, double m, const std::string& dt) {
         TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat, "exp2_row_sum: x must be a 1-D "
@@ -255,8 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return py::make_tuple(buf.narrow(0, 0, n).clone(), sum);
       },
       py::arg("x"), py::arg("m"), py::arg("dtype") = "float32",
-      "test hook: the softmax exponent of the tier that runs `dtype` (cap / emulation honoured): "
+      "the softmax exponent of the tier that runs `dtype` (cap / emulation honoured): "
       "(exp2(x - m), its sum)");
-  m.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
+  t.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

@@ -1,5 +1,6 @@
-// flashsdpa op schemas, input checks, AttnParams, tier dispatch and the parallel driver.
-// Compiled once, without ISA flags; the kernels live in csrc/cpu/tiers/<tier>.cpp.
+// flashsdpa's op schemas and CPU kernels' entry points: input checks, outputs, AttnParams; the
+// plan (plan.cpp) and the parallel driver (driver.cpp) do the rest. Compiled once, without ISA
+// flags; the kernels live in csrc/cpu/tier.cpp's builds.
 #include "ops.h"
 
 #include <ATen/ATen.h>
@@ -16,50 +17,12 @@
 #include <string>
 
 #include "cpu/isa.h"
+#include "driver.h"
+#include "plan.h"
 
 namespace flashsdpa {
 
 namespace {
-
-std::atomic<bool> g_debug_poison{false};
-std::atomic<int> g_kv_prepack{int(KvPrepack::Auto)};
-std::atomic<int> g_bwd_strategy{int(BwdStrategy::Auto)};
-std::atomic<int> g_decode{int(DecodePolicy::Auto)};
-
-// Largest q_len the split-KV decode path takes. Measured against the prefill path (AVX2 tier,
-// H=32, D=128, KV 4096-8192, fp32 and bf16, MHA and GQA-4): decode is faster up to q_len 16,
-// about even at 32, slower at 64. Dropout always takes the prefill path.
-constexpr int64_t kDecodeMaxLq = 16;
-
-bool use_decode_path(const AttnParams& p) {
-  const auto policy = DecodePolicy(g_decode.load(std::memory_order_relaxed));
-  if (p.dropout_p > 0.0f || policy == DecodePolicy::Never) return false;
-  return policy == DecodePolicy::Always || p.Lq <= kDecodeMaxLq;
-}
-std::atomic<int> g_blocks[4] = {{0}, {0}, {0}, {0}};  // fwd bq, fwd bk, bwd bq, bwd bk
-
-// The share of the threads' time n equally expensive items keep busy: at::parallel_for gives
-// each of T threads ceil(n / T) of them.
-double thread_busy(int64_t n_items) {
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1) return 1.0;
-  return double(n_items) / double(threads * ((n_items + threads - 1) / threads));
-}
-
-// The single-pass backward has one item per (batch, kv head), all equally expensive; it wins
-// unless those items leave threads idle (the two-sweep alternative does 7/5 of the gemm work).
-bool fused_backward_pays(int64_t n_items) { return thread_busy(n_items) >= 5.0 / 7.0 * 1.1; }
-
-// Forward over a short sequence: one q block per (batch, head) spanning every query row (each
-// kv block's panels packed once, into the thread's own scratch; no K/V pre-pack phase unless
-// GQA heads share them) is 3-12% faster than q blocks of the tier's size (measured: avx2, avx512, avx512_bf16; L 256-512,
-// D 64 and 128, causal and not; L = 1024 was 1% slower), when those B * H items keep the threads
-// busy. Which q blocking runs never changes a result: every output row is the same sum in the
-// same order whichever block holds it.
-constexpr int64_t kWholeQMaxLq = 512;
-bool whole_q_block_pays(const AttnParams& p) {
-  return p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9;
-}
 
 // Largest head dim / block extent the kernels index with 32-bit ints.
 constexpr int64_t kMaxHeadDim = 1 << 16;
@@ -71,15 +34,6 @@ DType to_dtype(at::ScalarType st) {
     case at::kHalf: return DType::F16;
     default: TORCH_CHECK(false, "unreachable dtype");
   }
-}
-
-const char* dtype_name(DType dt) {
-  switch (dt) {
-    case DType::F32: return "fp32";
-    case DType::BF16: return "bf16";
-    case DType::F16: return "fp16";
-  }
-  return "?";
 }
 
 // Last-dim stride 1 is what the kernels read; anything else is copied once (O(L) memory).
@@ -185,88 +139,6 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
   p.dropout_p = float(dropout_p);
 }
 
-const std::string& profiler_name(Phase phase, cpu::Isa isa, DType dt) {
-  static const std::string* names = [] {
-    constexpr int np = 8, ni = int(cpu::Isa::kCount), nd = 3;
-    const char* phases[np] = {"cpu_forward", "cpu_bwd_delta", "cpu_bwd_dkdv", "cpu_bwd_dq",
-                              "cpu_pack_kv", "cpu_bwd_fused", "cpu_decode_split",
-                              "cpu_decode_merge"};
-    auto* out = new std::string[np * ni * nd];
-    for (int a = 0; a < np; ++a)
-      for (int b = 0; b < ni; ++b)
-        for (int c = 0; c < nd; ++c)
-          out[(a * ni + b) * nd + c] = std::string("flashsdpa::") + phases[a] + "[" +
-                                       cpu::isa_name(cpu::Isa(b)) + "," + dtype_name(DType(c)) + "]";
-    return out;
-  }();
-  return names[(int(phase) * int(cpu::Isa::kCount) + int(isa)) * 3 + int(dt)];
-}
-
-// The pack buffer of the last forward on this thread, kept for the next call: a fresh multi-MB
-// allocation costs page faults and kernel page clearing on every call (a few % of a prefill).
-// Buffers above kMaxCachedPackBytes are not kept, so a long prefill does not pin its memory.
-constexpr int64_t kMaxCachedPackBytes = int64_t(64) << 20;
-
-float* pack_workspace(int64_t bytes, c10::DataPtr* owner) {
-  thread_local c10::DataPtr cached;
-  thread_local int64_t cached_bytes = 0;
-  if (bytes > kMaxCachedPackBytes) {
-    *owner = c10::GetCPUAllocator()->allocate(bytes);
-    return static_cast<float*>(owner->get());
-  }
-  if (cached_bytes < bytes) {
-    cached = c10::DataPtr();  // free the old one first
-    cached = c10::GetCPUAllocator()->allocate(bytes);
-    cached_bytes = bytes;
-  }
-  return static_cast<float*>(cached.get());
-}
-
-void poison(const at::Tensor& t) {
-  if (g_debug_poison.load(std::memory_order_relaxed) && t.numel() > 0)
-    t.fill_(std::numeric_limits<double>::quiet_NaN());
-}
-
-void run_planned_phase(const AttnParams& p, Phase phase, cpu::Isa isa, const CpuTier& tier,
-                       const PhasePlan& plan);
-
-// Runs one phase: a parallel loop over the tier's work items, each thread with its own scratch.
-void run_phase(const AttnParams& p, Phase phase) {
-  const cpu::Isa isa = cpu::selected_isa(p.dtype);
-  const CpuTier& tier = cpu::selected_tier(p.dtype);
-  const PhasePlan plan = tier.plan(p, phase);
-  run_planned_phase(p, phase, isa, tier, plan);
-}
-
-void run_planned_phase(const AttnParams& p, Phase phase, cpu::Isa isa, const CpuTier& tier,
-                       const PhasePlan& plan) {
-  RECORD_FUNCTION(profiler_name(phase, isa, p.dtype), c10::ArrayRef<const c10::IValue>{});
-  if (plan.n_items <= 0) return;
-  const bool poison_scratch = g_debug_poison.load(std::memory_order_relaxed);
-  // The compute phases hand out their items one at a time (an atomic counter) rather than as
-  // one fixed range per thread: a thread whose core is shared with another process (or slowed by
-  // it) then does fewer items instead of holding everyone up at the end. Same items, same
-  // results: no item's output depends on which thread runs it. Interleaved A/B, forward suite:
-  // within 0.5% on a quiet machine; with a busy loop on one of the two cores, (1,16,1024,64)
-  // fp32 44.5 -> 31.5 ms. The memory-bound phases (packing, decode) keep contiguous ranges.
-  const bool dynamic = phase == Phase::Forward || phase == Phase::BwdDkDv ||
-                       phase == Phase::BwdDq || phase == Phase::BwdFused;
-  std::atomic<int64_t> claim{0};
-  const int64_t n_loop = dynamic ? std::min<int64_t>(at::get_num_threads(), plan.n_items)
-                                 : plan.n_items;
-  at::parallel_for(0, n_loop, 1, [&](int64_t begin, int64_t end) {
-    c10::DataPtr scratch;
-    if (plan.scratch_bytes > 0) {
-      scratch = c10::GetCPUAllocator()->allocate(plan.scratch_bytes);
-      if (poison_scratch) std::memset(scratch.get(), 0xFF, plan.scratch_bytes);  // NaN floats
-    }
-    if (dynamic)
-      tier.run(p, phase, 0, plan.n_items, scratch.get(), &claim);
-    else
-      tier.run(p, phase, begin, end, scratch.get(), nullptr);
-  });
-}
-
 // Seed and offset for one dropout call, drawn from PyTorch's default CPU generator, so that
 // torch.manual_seed makes runs reproducible.
 void draw_dropout_seed(AttnParams& p) {
@@ -278,15 +150,6 @@ void draw_dropout_seed(AttnParams& p) {
 }
 
 }  // namespace
-
-void set_debug_poison(bool on) { g_debug_poison.store(on); }
-void set_kv_prepack(KvPrepack policy) { g_kv_prepack.store(int(policy)); }
-void set_bwd_strategy(BwdStrategy s) { g_bwd_strategy.store(int(s)); }
-void set_decode_policy(DecodePolicy d) { g_decode.store(int(d)); }
-void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk) {
-  g_blocks[0] = fwd_bq, g_blocks[1] = fwd_bk, g_blocks[2] = bwd_bq, g_blocks[3] = bwd_bk;
-}
-bool debug_poison() { return g_debug_poison.load(); }
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
   // Like PyTorch's own kernel: the output takes the memory format of query (empty_like), e.g. a
@@ -327,35 +190,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   }
   p.out = out.data_ptr();
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
-  p.bq_override = g_blocks[0], p.bk_override = g_blocks[1];
-  if (p.bq_override == 0 && whole_q_block_pays(p)) p.bq_override = int32_t(p.Lq);
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
-  if (out.numel() > 0 && use_decode_path(p)) {
-    const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = cpu::selected_tier(p.dtype);
-    const PhasePlan split = tier.plan(p, Phase::DecodeSplit);
-    c10::DataPtr parts = c10::GetCPUAllocator()->allocate(split.shared_bytes);
-    p.dec_part = static_cast<float*>(parts.get());
-    run_planned_phase(p, Phase::DecodeSplit, isa, tier, split);
-    run_phase(p, Phase::DecodeMerge);
-  } else if (out.numel() > 0) {
-    // K^T / V panels packed once into a shared fp32 buffer when the forward would otherwise
-    // repack each kv block for every q block (O(Lk) memory, freed on return)
-    const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = cpu::selected_tier(p.dtype);
-    const PhasePlan pack = tier.plan(p, Phase::PackKV);
-    const auto policy = KvPrepack(g_kv_prepack.load(std::memory_order_relaxed));
-    c10::DataPtr pack_owner;
-    if (pack.n_items > 0 &&
-        (policy == KvPrepack::Always || (policy == KvPrepack::Auto && pack.worthwhile))) {
-      p.kv_pack = pack_workspace(pack.shared_bytes, &pack_owner);
-      if (g_debug_poison.load(std::memory_order_relaxed))
-        std::memset(p.kv_pack, 0xFF, pack.shared_bytes);
-      run_planned_phase(p, Phase::PackKV, isa, tier, pack);
-    }
-    run_phase(p, Phase::Forward);
-  }
+  const KernelPolicy pol = plan_forward(p);
+  if (out.numel() > 0) run_forward(p, pol);
   return {out, lse, rng};
 }
 
@@ -420,26 +258,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   p.dv = dv.data_ptr();
   p.dv_sb = dv.stride(0), p.dv_sh = dv.stride(1), p.dv_sl = dv.stride(2);
   p.delta = delta.data_ptr<float>();
-  p.bq_override = g_blocks[2], p.bk_override = g_blocks[3];
 
+  const KernelPolicy pol = plan_backward(p);
   if (q.numel() > 0) {
-    run_phase(p, Phase::BwdDelta);
-    // Two strategies with bit-identical results (the same tiles, accumulated in the same order),
-    // so picking one by thread count keeps gradients independent of the thread count.
-    const cpu::Isa isa = cpu::selected_isa(p.dtype);
-    const CpuTier& tier = cpu::selected_tier(p.dtype);
-    const PhasePlan fused = tier.plan(p, Phase::BwdFused);
-    const auto strategy = BwdStrategy(g_bwd_strategy.load(std::memory_order_relaxed));
-    const bool use_fused = strategy == BwdStrategy::Fused ||
-                           (strategy == BwdStrategy::Auto && fused_backward_pays(fused.n_items));
-    if (use_fused) {
-      c10::DataPtr dq_acc = c10::GetCPUAllocator()->allocate(fused.shared_bytes);
-      p.dq_acc = static_cast<float*>(dq_acc.get());
-      run_planned_phase(p, Phase::BwdFused, isa, tier, fused);
-    } else {
-      run_phase(p, Phase::BwdDq);  // Lk == 0 gives dq = 0
-      run_phase(p, Phase::BwdDkDv);
-    }
+    run_backward(p, pol);
   } else {  // no query rows: nothing flows back
     dq.zero_();
     dk.zero_();

@@ -30,26 +30,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 
-// Debugging aid used by the tests: fill every output and scratch buffer with NaN before the
-// kernels run, so that an element a kernel forgets to write shows up as NaN.
-void set_debug_poison(bool on);
-bool debug_poison();
-
-// Whether the forward packs K^T / V once into a shared buffer (Phase::PackKV) or per block.
-// Auto follows the tier's advice; the others exist so tests cover both paths.
-enum class KvPrepack : int { Auto = 0, Never = 1, Always = 2 };
-void set_kv_prepack(KvPrepack policy);
-
-// Backward strategy: single pass (items per batch x kv head) or two sweeps (dk/dv per kv block,
-// then dq per q block). Same bits either way; Auto picks by shape and thread count.
-enum class BwdStrategy : int { Auto = 0, TwoSweep = 1, Fused = 2 };
-void set_bwd_strategy(BwdStrategy s);
-
-// Forward path for short queries: split-KV decode or the prefill blocking. Auto picks by q_len.
-enum class DecodePolicy : int { Auto = 0, Never = 1, Always = 2 };
-void set_decode_policy(DecodePolicy d);
-
-// Tuning hook (bench/tune_blocks.py): block sizes replacing the tier's choice; 0 keeps it.
-void set_block_override(int fwd_bq, int fwd_bk, int bwd_bq, int bwd_bk);
-
 }  // namespace flashsdpa

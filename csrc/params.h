@@ -81,9 +81,21 @@ struct AttnParams {
   // Phase::DecodeSplit / DecodeMerge: partial results of every kv split (layout: the tier's).
   float* dec_part;
 
-  // Block sizes to use instead of the tier's choice (0: the tier's choice): the tuning hook, and
-  // the forward's one-q-block-per-head choice for short sequences (ops.cpp).
-  int32_t bq_override, bk_override;
+  // The blocks of this call's phases (query rows, keys per block), from the plan (plan.cpp):
+  // the forward's for a forward call, the backward's for a backward one. bq is a multiple of the
+  // tier's row-group height and bk of its panel width.
+  int32_t bq, bk;
+
+  // Forward: the S GEMM may fuse the softmax's exponentials into its tile stores on the blocks
+  // where that is exact (traits with fused_exp; plan.cpp decides).
+  bool fused_exp;
+
+  // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
+  struct PathCounters* counters;
+};
+
+struct PathCounters {
+  std::atomic<int64_t> fused_exp_blocks{0};  // forward kv blocks whose exponentials were fused
 };
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
@@ -91,12 +103,15 @@ struct AttnParams {
 enum class Phase : int32_t {
   PackKV = 4,    // items: (b, hkv, kv-block): K^T and V panels into kv_pack (when worth it)
   Forward = 0,   // items: (b, hq, q-block)
+  ForwardTransposed = 8,  // the same items on the transposed-score path (traits with
+                          // transposed_s; fp32, no mask / dropout, every key visible)
   BwdDelta = 1,  // items: (b, hq, q-block): delta = rowsum(dout * out)
   BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
   BwdDq = 3,     // items: (b, hq, q-block): dq
   BwdFused = 5,  // items: (b, hkv): dk, dv and dq (into dq_acc) in one pass; replaces the two above
   DecodeSplit = 6,  // short queries, items (b, hkv, kv-split): partial softmax into dec_part
   DecodeMerge = 7,  // items (b, hkv): merge the splits' partials into out / lse
+  kCount = 9
 };
 
 struct PhasePlan {
@@ -104,7 +119,6 @@ struct PhasePlan {
   int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
   int64_t shared_bytes;   // PackKV / BwdFused / DecodeSplit: shared buffer size (kv_pack,
                           // dq_acc, dec_part)
-  bool worthwhile;        // PackKV: the tier recommends running it for this shape
 };
 
 // What one ISA tier provides. Item decomposition depends on the shape only (never on the
@@ -112,6 +126,10 @@ struct PhasePlan {
 // thread count.
 struct CpuTier {
   const char* name;
+  // What the plan (plan.cpp) needs to know of the trait: row-group height and panel width (block
+  // sizes are multiples of them), the default q blocks, and the trait's optional paths.
+  int mr, nr, block_q, block_q_bwd;
+  bool fused_exp, transposed_s;
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
   // until end: dynamic scheduling).

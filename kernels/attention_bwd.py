@@ -12,7 +12,8 @@ Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the sof
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, kv_bounds, load_block, masked_scores, tile_desc
+from .common import (LOG2E, dropout_keep, kv_bounds, load_block, masked_scores, q_bounds,
+                     tile_desc)
 
 
 @triton.jit
@@ -49,7 +50,7 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DE
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
     lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
-                   mask=offs_m < Lq, other=0.0) * 1.4426950408889634
+                   mask=offs_m < Lq, other=0.0) * LOG2E
     delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
     pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
                       mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
@@ -92,14 +93,8 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # q tiles [lo, mid) need the bound/causal checks (the diagonal, or every tile when this kv
-    # tile is ragged); the tiles from mid on run without them
-    lo = 0
-    mid = 0
-    if IS_CAUSAL:  # rows before this tile's first key see none of it; from mid on, all of it
-        lo = start_n // BLOCK_M * BLOCK_M
-        mid = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
+    # q tiles [lo, mid) need the bound/causal checks; the tiles from mid on run without them
+    lo, mid = q_bounds(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(0, group):
         h = hk * group + g
         bh = b * Hq + h
@@ -172,7 +167,7 @@ def attn_bwd_dq_kernel(
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
     lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=offs_m < Lq,
-                   other=0.0) * 1.4426950408889634
+                   other=0.0) * LOG2E
     delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
     k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
     v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)

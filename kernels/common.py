@@ -8,8 +8,7 @@ index), so the backward regenerates it exactly.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # scores and LSE move to the log2 domain
 
 
 @triton.jit
@@ -31,18 +30,47 @@ def load_block(desc, row, UPCAST: tl.constexpr):
     return tile
 
 
+# ---- visibility: which keys each query row sees (the CPU kernels' Visibility, csrc/cpu/) ----------
+# Row i sees keys j < end(i), with end(i) = i + 1 under IS_CAUSAL (top-left, PyTorch's rule) and
+# Lk otherwise. Every tile range below derives from `visible` and this end(i).
+
+@triton.jit
+def visible(offs_m, offs_n, IS_CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: row offs_m sees key offs_n (key range checks are the caller's)."""
+    if IS_CAUSAL:
+        ok = offs_n[None, :] <= offs_m[:, None]
+    else:
+        ok = (offs_n[None, :] >= 0) & (offs_m[:, None] >= 0)  # all true, the same [M, N] shape
+    return ok
+
+
 @triton.jit
 def kv_bounds(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """For the q tile starting at row start_m: (end of the interior kv tiles - every key in range
     and visible to every row, so masked_scores may skip its checks -, end of the kv tiles to
-    visit: causal stops at the tile's last row)."""
+    visit: end(last row of the tile))."""
     full_end = Lk // BLOCK_N * BLOCK_N
     hi = Lk
     if IS_CAUSAL:
         full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
         hi = tl.minimum(Lk, start_m + BLOCK_M)
     return full_end, hi
+
+
+@triton.jit
+def q_bounds(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """For the kv tile starting at key start_n: (first q tile with a row that sees one of its keys,
+    first q tile from which every row sees all of them and no bound check is needed). The tiles
+    in between need masked_scores' checks, all of them when the kv tile is ragged."""
+    lo = 0
+    mid = 0
+    if IS_CAUSAL:
+        lo = start_n // BLOCK_M * BLOCK_M
+        mid = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
+    return lo, mid
 
 
 @triton.jit
@@ -57,9 +85,8 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stri
     a user mask applies (read with the rows bounded)."""
     s = s * qk_scale
     if CHECK:
-        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq)
-        if IS_CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(offs_m, offs_n,
+                                                                           IS_CAUSAL)
     if HAS_MASK:
         ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
         if CHECK:
@@ -69,7 +96,7 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stri
         if MASK_BOOL:
             s = tl.where(mval != 0, s, float("-inf"))
         else:
-            s = s + mval.to(tl.float32) * 1.4426950408889634
+            s = s + mval.to(tl.float32) * LOG2E
     if CHECK:
         s = tl.where(valid, s, float("-inf"))
     return s

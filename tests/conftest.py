@@ -20,7 +20,7 @@ if not ((hasattr(torch, "xpu") and torch.xpu.is_available()) or torch.cuda.is_av
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import flashsdpa
-from flashsdpa import _C
+from flashsdpa import _C, _testing
 from flashsdpa._isa import cap
 
 # ---- the one tolerance table ---------------------------------------------------------------------
@@ -46,15 +46,6 @@ _EMULATED_BUILT = {t["name"] for t in _C.tiers() if t["emulated_build"]}
 STRICT = os.environ.get("FLASHSDPA_STRICT") == "1"  # .ci/run: what must run never skips
 
 
-@contextlib.contextmanager
-def emulated(name):
-    _C.set_emulated_tier(name)
-    try:
-        yield
-    finally:
-        _C.set_emulated_tier("")
-
-
 @pytest.fixture(params=RUNNABLE_TIERS + [f"emu-{t}" for t in EMULATED_TIERS])
 def tier(request):
     """Runs the test once per CPU tier this host can execute, and once per emulated tier."""
@@ -67,7 +58,7 @@ def tier(request):
             if STRICT:  # CI: the tiers this CPU lacks run nowhere else
                 pytest.fail(msg)
             pytest.skip(msg)
-        with emulated(real):
+        with _testing.emulated(real):
             yield name
     else:
         with cap(name):
@@ -77,9 +68,8 @@ def tier(request):
 @pytest.fixture(autouse=True)
 def poison_outputs():
     """Every output/scratch buffer starts as NaN, so an element a kernel does not write fails."""
-    _C.set_debug_poison(True)
-    yield
-    _C.set_debug_poison(False)
+    with _testing.poisoned():
+        yield
 
 
 # ---- reference -------------------------------------------------------------------------------------

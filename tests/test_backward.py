@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashsdpa
-from flashsdpa import _C
+from flashsdpa import _testing
 from conftest import DTYPE_IDS, check_forward_backward, make_qkv, num_threads
 
 CASES = {
@@ -33,18 +33,18 @@ def _kwargs(case, L, S, B):
 
 @pytest.fixture
 def restore_strategy():
-    yield
-    _C.set_bwd_strategy("auto")
+    with _testing.policy():
+        yield
 
 
 def _grads(q, k, v, kw, strategy, threads=2):
-    _C.set_bwd_strategy(strategy)
-    with num_threads(threads):
+    with _testing.policy(fused_bwd=int(strategy == "fused")), num_threads(threads):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         torch.manual_seed(3)
         out = flashsdpa.scaled_dot_product_attention(*leaves, enable_gqa=True, **kw)
         out.backward(torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape)
                      .to(out.dtype))
+        assert _testing.last_policy()["fused_bwd"] == (strategy == "fused")
         return [t.grad for t in leaves]
 
 
@@ -64,7 +64,7 @@ def test_strategies_bit_identical(tier, restore_strategy, name, dtype):
 @pytest.mark.parametrize("name", ["causal-gqa", "mask", "causal-L<S"])
 def test_strategies_against_reference(tier, restore_strategy, strategy, name):
     B, Hq, Hkv, L, S, D, Dv, case = CASES[name]
-    _C.set_bwd_strategy(strategy)
     q, k, v = make_qkv(B, Hq, Hkv, L, S, D, Dv, dtype=torch.bfloat16)
-    check_forward_backward(q, k, v, torch.bfloat16, f"{tier} {strategy} {name}",
-                           **_kwargs(case, L, S, B))
+    with _testing.policy(fused_bwd=int(strategy == "fused")):
+        check_forward_backward(q, k, v, torch.bfloat16, f"{tier} {strategy} {name}",
+                               **_kwargs(case, L, S, B))

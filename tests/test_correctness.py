@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashsdpa
+from flashsdpa import _testing
 from conftest import DTYPE_IDS, DTYPES, check_forward_backward, make_qkv, num_threads
 
 # (B, Hq, Hkv, L, S, D, Dv)
@@ -180,11 +181,10 @@ def test_tiers_agree():
 
 @pytest.fixture(params=["never", "always"])
 def kv_prepack(request):
-    """Forces the forward's K/V pre-pack phase off or on (auto picks one by shape)."""
-    from flashsdpa import _C
-    _C.set_kv_prepack(request.param)
-    yield request.param
-    _C.set_kv_prepack("auto")
+    """Forces the forward's K/V pre-pack phase off or on (the plan picks one by shape), on the
+    prefill path (short queries would take the decode path, which packs nothing)."""
+    with _testing.policy(prepack=int(request.param == "always"), decode=0):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
@@ -200,24 +200,21 @@ def test_kv_prepack_paths(tier, kv_prepack, shape, causal, dtype):
     mask = torch.randn(L, S)
     check_forward_backward(q, k, v, dtype, f"{tier} prepack={kv_prepack}", is_causal=causal,
                            attn_mask=mask, backward=False)
+    assert _testing.last_policy()["prepack"] == (kv_prepack == "always")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_kv_packing_does_not_change_results(tier, causal):
     """Packing K / V per q block or once by the PackKV phase gives bit-identical outputs, on 1
     and 2 threads."""
-    from flashsdpa import _C
     q, k, v = make_qkv(2, 6, 3, 700, 650, 40, 24)
     outs = {}
-    try:
-        for mode in ("never", "always"):
-            _C.set_kv_prepack(mode)
+    for mode in ("never", "always"):
+        with _testing.policy(prepack=int(mode == "always")):
             for threads in (1, 2):
                 with num_threads(threads):
                     outs[mode, threads] = flashsdpa.scaled_dot_product_attention(
                         q, k, v, is_causal=causal, enable_gqa=True)
-    finally:
-        _C.set_kv_prepack("auto")
     ref = outs["never", 1]
     for key, out in outs.items():
         assert torch.equal(out, ref), f"{tier}: {key} differs from per-block packing"
@@ -228,14 +225,13 @@ def test_exp2_row_sum(tier, dtype):
     """The tier's softmax exponent directly: within 2 ulp of 2^x over the whole range the
     softmax feeds it (x = s - m <= 0), -inf and far-below-range inputs give exactly 0, NaN
     stays NaN, every length remainder, and the returned sum matches the written values."""
-    from flashsdpa import _C
     g = torch.Generator().manual_seed(7)
     m = 0.75
     for n in (1, 7, 8, 15, 16, 17, 37, 64):
         s = m - torch.rand(n, generator=g, dtype=torch.float64) * 40.0
         s[: n // 3] = torch.round(s[: n // 3] * 2) / 2  # integers and halves (rounding ties)
         s = s.float()
-        y, total = _C.exp2_row_sum(s, m, dtype)
+        y, total = _testing.exp2_row_sum(s, m, dtype)
         ref = torch.exp2((s - m).double())  # the kernel subtracts in fp32 too
         rel = ((y.double() - ref).abs() / ref).max().item()
         assert rel <= 2 * 2.0 ** -23, f"{tier}: exp2 relative error {rel:.3g} (n={n})"
@@ -243,12 +239,12 @@ def test_exp2_row_sum(tier, dtype):
             f"{tier}: sum {total} vs {y.double().sum().item()} (n={n})")
     # the far tail: masked (-inf) and very negative scores give 0; tiny results denormal or 0
     s = torch.tensor([0.0, float("-inf"), -1.0e4, -160.0, -151.5, -130.25, -126.0, -100.5, 3.0])
-    y, total = _C.exp2_row_sum(s, 0.0, dtype)
+    y, total = _testing.exp2_row_sum(s, 0.0, dtype)
     ref = torch.exp2(s.double())
     assert torch.equal(y[1:5], torch.zeros(4)), f"{tier}: {y[1:5]} should be exactly 0"
     assert (y[5:7].double() - ref[5:7]).abs().max().item() <= 2.0 ** -126, f"{tier}: {y[5:7]}"
     for i in (0, 7, 8):
         assert abs(y[i].item() / ref[i].item() - 1) <= 2 * 2.0 ** -23, f"{tier}: {y[i]} at {s[i]}"
-    y, total = _C.exp2_row_sum(torch.tensor([0.0, float("nan"), -1.0] + [-2.0] * 16), 0.0, dtype)
+    y, total = _testing.exp2_row_sum(torch.tensor([0.0, float("nan"), -1.0] + [-2.0] * 16), 0.0, dtype)
     assert torch.isnan(y[1]) and not torch.isnan(y[0]) and not torch.isnan(y[2:]).any(), (
         f"{tier}: NaN must stay in its lane: {y}")

@@ -4,16 +4,15 @@ import pytest
 import torch
 
 import flashsdpa
-from flashsdpa import _C
+from flashsdpa import _testing
 from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
                       num_threads, reference_sdpa)
 
 
 @pytest.fixture
 def decode_path():
-    _C.set_decode_policy("always")
-    yield
-    _C.set_decode_policy("auto")
+    with _testing.policy(decode=1):
+        yield
 
 
 def decode_ran(fn):
@@ -90,9 +89,9 @@ def test_decode_matches_prefill_path_and_lse(tier, causal):
     mask = torch.randn(5, 2000)
     outs = {}
     for mode in ("always", "never"):
-        _C.set_decode_policy(mode)
-        outs[mode] = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, 0.0, causal)
-    _C.set_decode_policy("auto")
+        with _testing.policy(decode=int(mode == "always")):
+            outs[mode] = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, 0.0, causal)
+            assert _testing.last_policy()["decode"] == (mode == "always")
     torch.testing.assert_close(outs["always"][0], outs["never"][0], atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(outs["always"][1], outs["never"][1], atol=2e-6, rtol=1e-5)
 

@@ -1,18 +1,18 @@
 """Fused dropout: the keep-mask comes from Philox(seed, offset, b*H+h, i, j), seeded from
 PyTorch's CPU generator; the backward regenerates it. Checked against a reference that applies
-the very same keep-mask (exposed by flashsdpa._C.dropout_keep_mask)."""
+the very same keep-mask (exposed by flashsdpa._testing.dropout_keep_mask)."""
 import pytest
 import torch
 
 import flashsdpa
-from flashsdpa import _C
+from flashsdpa import _testing
 from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, make_qkv, num_threads,
                       reference_sdpa)
 
 
 def _keep_for(rng_state, B, H, L, S, p):
     seed, offset = (int(x) for x in rng_state)
-    return _C.dropout_keep_mask(seed, offset, B, H, L, S, p)
+    return _testing.dropout_keep_mask(seed, offset, B, H, L, S, p)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
@@ -71,7 +71,7 @@ def test_keep_rate_statistics(p):
     """The keep fraction of 1M draws is within 5 sigma of 1 - p, and columns 0..3 (one Philox
     call) are not correlated with their neighbours."""
     n_b, n_h, L, S = 2, 4, 256, 512
-    keep = _C.dropout_keep_mask(1234, 0, n_b, n_h, L, S, p).double()
+    keep = _testing.dropout_keep_mask(1234, 0, n_b, n_h, L, S, p).double()
     n = keep.numel()
     sigma = (p * (1 - p) / n) ** 0.5
     assert abs(keep.mean().item() - (1 - p)) < 5 * sigma

@@ -77,7 +77,7 @@ struct FlashBackward {
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
   // Needs the q side (load_q_side) and the K^T, V^T panels (load_kv_side) loaded. Returns false
   // when every row of the tile is masked (nothing to add). On a tile the causal diagonal crosses,
-  // rows only compute their group's columns (CausalTile) and the columns past that are set to 0
+  // rows only compute their group's columns (VisTile) and the columns past that are 0
   // (the dK / dV gemms read P and dS by column).
   struct Tile {
     const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
@@ -93,7 +93,7 @@ struct FlashBackward {
     MaskTile mt{scratch + L.mask, L.lds, false};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
-    const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
+    const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
 
     // S = Q_blk K_blk^T, then P = 2^(s - lse2)
     Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, p.D * Ops::NR, s,
@@ -104,7 +104,7 @@ struct FlashBackward {
       const int64_t i = i0 + r;
       const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
-      const int valid = causal_valid(p, i, j0, nk);
+      const int valid = ct.cols(r);
       const float mx = Ops::score_row(srow, w, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
                                       mt.row(mtile, r), valid);
       if (mx == kNegInf) {
@@ -157,10 +157,10 @@ struct FlashBackward {
     if (with_k) Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
   }
 
-  // kv block j of a kv head sees the query rows from its own row on (causal) or all of them.
-  // Every q block of every query head of the group, in this order, in both strategies.
+  // The first q block with a row that sees kv block j0: every q block of every query head of
+  // the group from there on, in this order, in both strategies.
   static int64_t first_q_block_row(const AttnParams& p, const Blocks& bl, int64_t j0) {
-    return p.causal ? (j0 / bl.bq) * bl.bq : 0;
+    return Visibility::of(p).first_row(j0) / bl.bq * bl.bq;
   }
 
   // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
@@ -179,7 +179,8 @@ struct FlashBackward {
   // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
   static void add_dq(const AttnParams& p, const Layout& L, float* scratch, int64_t i0, int nq,
                      int64_t j0, int nk, const Tile& tile, float* dq) {
-    const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
+    const Visibility vis = Visibility::of(p);
+    const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, scratch + L.a16, &lda);
     Ops::template gemm<false>(nq, int(p.D), nk, a, lda, scratch + L.kp, int64_t(nk) * Ops::NR,
@@ -242,7 +243,8 @@ struct FlashBackward {
     const Layout L = layout(p, bl);
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     const int64_t bh = item / n_qb, t = item % n_qb;
-    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
+    const Visibility vis = Visibility::of(p);
+    const int64_t qb = vis.bounded ? costliest_q_block(t, n_qb) : t;
     const int64_t b = bh / p.Hq, h = bh % p.Hq;
     const int64_t hk = h / (p.Hq / p.Hkv);
     const int64_t i0 = qb * bl.bq;
@@ -251,7 +253,7 @@ struct FlashBackward {
     for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
 
     load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/false);
-    for (int64_t j0 = 0; j0 < kv_end_for_rows(p, i0, nq); j0 += bl.bk) {
+    for (int64_t j0 = 0; j0 < vis.rows_end(i0, nq); j0 += bl.bk) {
       const int nk = int(min64(bl.bk, p.Lk - j0));
       load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/true);
       Tile tile;

@@ -5,45 +5,21 @@
 #include "../params.h"
 #include "generic_ops.h"
 #include "scalar.h"
+#include "visibility.h"
 
 namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
 // ---- block sizes ---------------------------------------------------------------------------------
+// The call's blocks (AttnParams::bq / bk, chosen by the plan, csrc/plan.cpp).
 struct Blocks {
-  int bq;  // query rows per block
+  int bq;  // query rows per block (a multiple of the trait's MR)
   int bk;  // key columns per block (a multiple of the trait's NR)
+  explicit Blocks(const AttnParams& p) : bq(p.bq), bk(p.bk) {}
 };
 
-// The per-thread working set (K^T and V panels of one kv block plus the score tile) should stay
-// in L2: bk = kL2PanelBytes / (4 * (D + Dv)), clamped, rounded to the panel width (a V panel of
-// 256 rows x 16 floats still fits L1). The backward holds more tiles (P, dP, dS, mask) and the
-// q-side panels, so it takes shorter q blocks. bk depends on the shape only (it sets the order
-// of the online softmax). The q blocking never changes a result - ops.cpp may pick one q block
-// per head by thread count (bq_override) - because every forward q block starts at a multiple
-// of MR, so the causal row groups (CausalTile), and with them each row's columns, are the same.
-template <class Ops>
-Blocks choose_blocks(const AttnParams& p, Phase phase) {
-  static_assert(Ops::kBlockQ % Ops::MR == 0, "forward q blocks must hold whole row groups");
-  constexpr int64_t kL2PanelBytes = 256 * 1024;
-  constexpr int64_t kMinBk = 64, kMaxBk = 256, kMaxBkBwd = 256;
-  const bool fwd = phase == Phase::Forward || phase == Phase::PackKV;
-  const int64_t bq_max = fwd ? Ops::kBlockQ : Ops::kBlockQBwd;
-  Blocks bl;
-  int64_t bq = p.Lq >= bq_max ? bq_max : round_up(max64(p.Lq, 1), Ops::MR);
-  int64_t bk = kL2PanelBytes / (4 * (p.D + p.Dv));
-  bk = max64(kMinBk, min64(fwd ? kMaxBk : kMaxBkBwd, bk));
-  bk = min64(bk, round_up(max64(p.Lk, 1), Ops::NR));
-  bk = round_up(bk, Ops::NR);
-  if (p.bq_override > 0) bq = round_up(p.bq_override, Ops::MR);
-  if (p.bk_override > 0) bk = round_up(p.bk_override, Ops::NR);
-  bl.bq = int(bq);
-  bl.bk = int(bk);
-  return bl;
-}
-
-// Under a causal mask a q block's work grows with its index (a kv block's shrinks). The compute
+// Under a bounded Visibility a q block's work grows with its index (a kv block's shrinks). The compute
 // phases hand their items out one at a time in index order (ops.cpp, run_planned_phase), so
 // each head's blocks are numbered costliest first: the last items handed out, which set how long
 // the other threads wait at the end, are the cheapest (longest-processing-time first).
@@ -131,36 +107,6 @@ struct MaskTile {
   }
 };
 
-// Columns of kv block [j0, j0 + nk) that query row i may attend to under the causal rule.
-inline int causal_valid(const AttnParams& p, int64_t i, int64_t j0, int nk) {
-  if (!p.causal) return nk;
-  const int64_t v = i + 1 - j0;
-  return int(v < 0 ? 0 : (v > nk ? nk : v));
-}
-
-// A (q block x kv block) tile under the causal rule. When the diagonal crosses it, rows are
-// handled in groups of `group` (the micro-kernel height): a group needs the columns its last row
-// sees, so work above the diagonal shrinks to less than one group-height strip.
-struct CausalTile {
-  bool diagonal;  // some row of the tile sees fewer than nk columns
-  int64_t i0, j0;
-  int nq, nk, group;
-  RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i+R) needs i0 - j0 + i + R
-  CausalTile(const AttnParams& p, int64_t i0_, int nq_, int64_t j0_, int nk_, int group_)
-      : diagonal(p.causal && j0_ + nk_ > i0_ + 1), i0(i0_), j0(j0_), nq(nq_), nk(nk_),
-        group(group_), lim_n{i0_ - j0_, true}, lim_k{i0_ - j0_, false} {}
-  const RowLimit* limit_n() const { return diagonal ? &lim_n : nullptr; }  // S = Q K^T
-  const RowLimit* limit_k() const { return diagonal ? &lim_k : nullptr; }  // O += P V
-  // rows in the group that starts at (or contains) row r
-  int rows(int r) const { return int(min64(group, nq - (r / group) * group)); }
-  // columns the group of row r needs: up to the last row's diagonal (0: the group sees nothing)
-  int width(int r) const {
-    if (!diagonal) return nk;
-    const int64_t last = i0 + min64(nq, (r / group + 1) * group) - 1;
-    return int(max64(0, min64(nk, last + 1 - j0)));
-  }
-};
-
 // One row of the online softmax over a block of scores (srow, log2 domain, w columns computed):
 //   s += mask; causal cut at `valid`; m' = max(m, rowmax); alpha = 2^(m - m');
 //   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
@@ -192,11 +138,6 @@ inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, flo
   const bool empty = l == 0.0f;
   *lse_ptr(p, b, h, i) = empty ? 0.0f : (m + __builtin_log2f(l)) * kLn2;
   Ops::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
-}
-
-// Last key column + 1 that any row of [i0, i0 + nq) can see.
-inline int64_t kv_end_for_rows(const AttnParams& p, int64_t i0, int nq) {
-  return p.causal ? min64(p.Lk, i0 + nq) : p.Lk;
 }
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -99,8 +99,8 @@ struct FlashDecode {
       l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
     }
-    // causal (top-left): no row sees past key Lq - 1
-    const int64_t kv_end = p.causal ? min64(j_end, p.Lq) : j_end;
+    const Visibility vis = Visibility::of(p);
+    const int64_t kv_end = min64(j_end, vis.rows_end(0, p.Lq));  // no row sees past it
     for (int64_t j0 = j_begin; j0 < kv_end; j0 += kBlock) {
       const int nk = int(min64(kBlock, kv_end - j0));
       Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
@@ -113,7 +113,7 @@ struct FlashDecode {
           mask_row_log2(p, b, h, i, j0, nk, madd);
         }
         any |= online_softmax_row<Ops>(s + r * L.lds, nk, s_mul, madd,
-                                       causal_valid(p, i, j0, nk), &m[r], &l[r],
+                                       vis.row_cols(i, j0, nk), &m[r], &l[r],
                                        acc + r * L.ldacc, int(p.Dv));
       }
       if (any)

@@ -11,26 +11,21 @@
 //     acc = alpha * acc + dropout(P) V_blk                 (gemm)
 //   out = acc / l;  lse = ln(2) * (m + log2(l))
 // Rows with nothing to attend to (l == 0) give out = 0 and lse = 0, as PyTorch's kernel does.
-// Fused exponentials (traits with fused_exp, fp32 AVX2 / AVX-512): on a block where every row
-// sees every column (no mask, no dropout, below the causal diagonal, whole panels), P = 2^(s - m)
-// comes straight from the S GEMM's tile stores with m the running max of the earlier blocks, or
-// 0 on the first block (no max pass; the exp work overlaps the GEMM). A row whose block sum
-// passes 2^16 then moves m up by a power of two (P, l, acc rescaled); a sum that is inf or NaN,
-// or on the first block below 2^-40 (scores so low that 2^(s - 0) would lose digits), sends the
-// block through the two-pass path. Interleaved A/B, fp32 forward suite: +2.8% geomean (avx512),
-// +0.6% (avx2) for the later blocks; the first block too: +1.6% more (avx512; (8,12,256,64),
-// one kv block per row, +4.7%).
-// Transposed scores (traits with transposed_s, AVX-512, fp32 inputs, no mask / dropout / causal
-// cut; run_item_t): S^T = K_blk Q_blk^T instead, with the rows of K read in place as the GEMM's
-// A operand and Q_blk^T packed once per item as its B panels, so that no K^T (nor, when Dv is a
-// multiple of the panel width, V) panels are packed at all; the online softmax runs down the
-// columns (one per query: vertical vector ops), fused into the tile stores as above with one
-// reference per column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in
-// place. Interleaved A/B against the row path (with its K / V pre-pack phase), fp32 forward
-// suite: +1.7% geomean (D = 64 +0.8-3.8%, D = 128 -0.4 to +1.2%); two-pass only (no fused
-// exponentials) it was 2.8% slower than the row path. The same path on AVX2 (6x16 tiles,
-// out-of-line exponentials) measured +0.6% and -0.6% in two A/Bs (-1 to -6% at (4,16,512,64)):
-// not enabled there.
+// Fused exponentials (traits with fused_exp, when the plan allows them: AttnParams::fused_exp):
+// on a block where every row sees every column (no mask, no dropout, no visibility cut, whole
+// panels), P = 2^(s - m) comes straight from the S GEMM's tile stores with m the running max of
+// the earlier blocks, or 0 on the first block (no max pass; the exp work overlaps the GEMM). A
+// row whose block sum passes 2^16 then moves m up by a power of two (P, l, acc rescaled); a sum
+// that is inf or NaN, or on the first block below 2^-40 (scores so low that 2^(s - 0) would lose
+// digits), sends the block through the two-pass path.
+// Transposed scores (Phase::ForwardTransposed, traits with transposed_s; the plan takes it for
+// fp32 inputs without mask or dropout where every key is visible; run_item_t):
+// S^T = K_blk Q_blk^T instead, with the rows of K read in place as the GEMM's A operand and
+// Q_blk^T packed once per item as its B panels, so that no K^T (nor, when Dv is a multiple of
+// the panel width, V) panels are packed at all; the online softmax runs down the columns (one
+// per query: vertical vector ops), fused into the tile stores as above with one reference per
+// column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in place.
+// (bench/bench_sdpa.py --mode paths measures each of these paths against its alternative.)
 #pragma once
 #include "flash_common.h"
 
@@ -49,14 +44,8 @@ struct FlashForward {
     int64_t q, kt, v, s, acc, m, l, mask, a16, sv, qt, st, at, ct, total;
   };
 
-  // The transposed-score path (run_item_t): fp32 inputs, no mask, no dropout, no causal cut.
-  static bool transposed(const AttnParams& p) {
-    if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>)
-      return p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
-             p.k_sl <= INT32_MAX;  // K's row stride is the GEMM's int lda
-    return false;
-  }
-  static Layout layout(const AttnParams& p, const Blocks& bl) {
+  // `transposed`: the scratch of the transposed-score items (Phase::ForwardTransposed) too.
+  static Layout layout(const AttnParams& p, const Blocks& bl, bool transposed) {
     Layout L;
     const int64_t bkp = round_up(bl.bk, Ops::NR);
     const int64_t dvp = round_up(p.Dv, Ops::NR);
@@ -80,7 +69,7 @@ struct FlashForward {
     L.mask = take(int64_t(bl.bq) * bkp);
     L.a16 = take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
     L.sv = take(caps<Ops>().fused_exp ? int64_t(bl.bq) * 16 : 0);
-    const bool tr = transposed(p);
+    const bool tr = transposed;
     L.ldt = int(bqp);
     L.qt = take(tr ? bqp * p.D : 0);
     L.st = take(tr ? int64_t(bl.bk) * bqp : 0);
@@ -95,11 +84,6 @@ struct FlashForward {
   }
 
   // ---- Phase::PackKV: K^T and V panels of every (b, hkv, kv-block), packed once ---------------
-  // Worth it when each kv block is read by more than one q block (several q blocks per head, or
-  // several query heads per kv head); otherwise each forward item packs what it reads.
-  static bool pack_worthwhile(const AttnParams& p, const Blocks& bl) {
-    return (p.Lq > bl.bq || p.Hq > p.Hkv) && !transposed(p);
-  }
   static int64_t pack_items(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
@@ -146,7 +130,7 @@ struct FlashForward {
   static ItemPos item_pos(const AttnParams& p, const Blocks& bl, int64_t item) {
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     const int64_t bh = item / n_qb, t = item % n_qb;
-    const int64_t qb = p.causal ? costliest_q_block(t, n_qb) : t;
+    const int64_t qb = Visibility::of(p).bounded ? costliest_q_block(t, n_qb) : t;
     const int64_t h = bh % p.Hq, i0 = qb * bl.bq;
     return ItemPos{bh, bh / p.Hq, h, h / (p.Hq / p.Hkv), i0, int(min64(bl.bq, p.Lq - i0))};
   }
@@ -157,7 +141,8 @@ struct FlashForward {
   // queries) keep reference 0 and are never read.
   static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>) {
-      const Layout L = layout(p, bl);
+      const Layout L = layout(p, bl, true);
+      int64_t fused_blocks = 0;
       const ItemPos pos = item_pos(p, bl, item);
       const int64_t b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
       const int nq = pos.nq;
@@ -186,7 +171,7 @@ struct FlashForward {
         const float* kr = k_row<T>(p, b, hk, j0);
         bool done = false;
         const bool first = j0 == 0;
-        if (m_finite || first) {
+        if (p.fused_exp && (m_finite || first)) {
           if (first)
             for (int c = 0; c < nq; ++c) m[c] = 0.0f;
           for (int c = 0; c < nqp; ++c) csum[c] = 0.0f;
@@ -209,6 +194,7 @@ struct FlashForward {
             }
             done = true;
             m_finite = true;
+            ++fused_blocks;
           } else if (first) {
             for (int c = 0; c < nq; ++c) m[c] = kNegInf;
           }
@@ -235,12 +221,17 @@ struct FlashForward {
       }
       for (int r = 0; r < nq; ++r)
         finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+      count_fused(p, fused_blocks);
     }
   }
 
+  static void count_fused(const AttnParams& p, int64_t blocks) {
+    if (p.counters && blocks) p.counters->fused_exp_blocks.fetch_add(blocks);
+  }
+
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    if (transposed(p)) return run_item_t(p, bl, item, scratch);
-    const Layout L = layout(p, bl);
+    const Layout L = layout(p, bl, false);
+    int64_t fused_blocks = 0;
     const ItemPos pos = item_pos(p, bl, item);
     const int64_t bh = pos.bh, b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
     const int nq = pos.nq;
@@ -267,7 +258,8 @@ struct FlashForward {
     }
 
     bool m_finite = false;  // every row's running max is finite (the fused path may run)
-    const int64_t kv_end = kv_end_for_rows(p, i0, nq);
+    const Visibility vis = Visibility::of(p);
+    const int64_t kv_end = vis.rows_end(i0, nq);
     for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
       const int nk = int(min64(bl.bk, kv_end - j0));
       // K_blk^T and V_blk panels: pre-packed by Phase::PackKV, or packed here
@@ -285,8 +277,8 @@ struct FlashForward {
         Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
       }
       // S = Q_blk K_blk^T   [nq, nk]. On a tile the causal diagonal crosses, each group of MR
-      // rows only computes the columns its last row can see (CausalTile).
-      const CausalTile ct(p, i0, nq, j0, nk, Ops::MR);
+      // rows only computes the columns its last row can see (VisTile).
+      const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
       bool any_row = false;
       if constexpr (caps<Ops>().fused_exp) {
         // Every row sees every column and has a finite running max: P = 2^(S - m) straight from
@@ -299,7 +291,7 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == 0;
-        if (caps<Ops>().scale_in_a && (m_finite || first) && !ct.diagonal &&
+        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) && !ct.partial &&
             p.mask_type == MaskType::None && !dropout && nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
@@ -321,6 +313,7 @@ struct FlashForward {
             }
             any_row = true;
             m_finite = true;
+            ++fused_blocks;
           } else if (first) {
             for (int r = 0; r < nq; ++r) m[r] = kNegInf;
           }
@@ -335,7 +328,7 @@ struct FlashForward {
           const int64_t i = i0 + r;
           const int w = ct.width(r);  // columns of this row's group: the rest is never read
           float* srow = s + int64_t(r) * L.lds;
-          const int valid = causal_valid(p, i, j0, nk);
+          const int valid = ct.cols(r);
           if (!online_softmax_row<Ops>(srow, w, s_mul, mt.row(mtile, r), valid, &m[r], &l[r],
                                        acc + int64_t(r) * L.ldacc, Dv))
             continue;
@@ -356,6 +349,7 @@ struct FlashForward {
 
     for (int r = 0; r < nq; ++r)
       finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+    count_fused(p, fused_blocks);
   }
 };
 

@@ -25,8 +25,11 @@ namespace flashsdpa {
 namespace cpu {
 const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   using Impl = FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS>;
-  static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), &Impl::plan, &Impl::run,
-                            &FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS::exp2_row_sum};
+  using Ops = FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS;
+  constexpr auto caps = FLASHSDPA_TIER_NS::caps<Ops>();
+  static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
+                            Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s, &Impl::plan,
+                            &Impl::run, &Ops::exp2_row_sum};
   return &tier;
 }
 }  // namespace cpu

@@ -20,19 +20,22 @@ struct ThreadState {
 
 template <class Ops>
 struct TierImpl {
+  static_assert(Ops::kBlockQ % Ops::MR == 0, "forward q blocks must hold whole row groups");
+
   template <class T>
   static PhasePlan plan_typed(const AttnParams& p, Phase phase) {
-    const Blocks bl = choose_blocks<Ops>(p, phase);
-    PhasePlan pl{0, 0, 0, false};
+    const Blocks bl(p);
+    PhasePlan pl{0, 0, 0};
     switch (phase) {
       case Phase::PackKV:
         pl.n_items = FlashForward<Ops, T>::pack_items(p, bl);
         pl.shared_bytes = 4 * pl.n_items * FlashForward<Ops, T>::pack_block_floats(p, bl);
-        pl.worthwhile = FlashForward<Ops, T>::pack_worthwhile(p, bl);
         break;
       case Phase::Forward:
+      case Phase::ForwardTransposed:
         pl.n_items = FlashForward<Ops, T>::num_items(p, bl);
-        pl.scratch_bytes = 4 * FlashForward<Ops, T>::layout(p, bl).total;
+        pl.scratch_bytes =
+            4 * FlashForward<Ops, T>::layout(p, bl, phase == Phase::ForwardTransposed).total;
         break;
       case Phase::BwdDelta:
         pl.n_items = FlashBackward<Ops, T>::delta_items(p, bl);
@@ -59,6 +62,8 @@ struct TierImpl {
         pl.n_items = FlashDecode<Ops, T>::merge_items(p);
         pl.scratch_bytes = 4 * FlashDecode<Ops, T>::layout(p).total;
         break;
+      case Phase::kCount:
+        break;
     }
     return pl;
   }
@@ -66,7 +71,7 @@ struct TierImpl {
   template <class T>
   static void run_typed(const AttnParams& p, Phase phase, int64_t begin, int64_t end,
                         void* scratch_v, std::atomic<int64_t>* claim) {
-    const Blocks bl = choose_blocks<Ops>(p, phase);
+    const Blocks bl(p);
     float* scratch = static_cast<float*>(scratch_v);
     const ThreadState<Ops> thread_state;  // e.g. AMX: tile configuration loaded / released
     int64_t item = claim ? claim->fetch_add(1, std::memory_order_relaxed) : begin;
@@ -74,12 +79,16 @@ struct TierImpl {
       switch (phase) {
         case Phase::PackKV: FlashForward<Ops, T>::run_pack(p, bl, item); break;
         case Phase::Forward: FlashForward<Ops, T>::run_item(p, bl, item, scratch); break;
+        case Phase::ForwardTransposed:
+          FlashForward<Ops, T>::run_item_t(p, bl, item, scratch);
+          break;
         case Phase::BwdDelta: FlashBackward<Ops, T>::run_delta(p, bl, item); break;
         case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
         case Phase::BwdDq: FlashBackward<Ops, T>::run_dq(p, bl, item, scratch); break;
         case Phase::BwdFused: FlashBackward<Ops, T>::run_fused(p, bl, item, scratch); break;
         case Phase::DecodeSplit: FlashDecode<Ops, T>::run_split(p, item, scratch); break;
         case Phase::DecodeMerge: FlashDecode<Ops, T>::run_merge(p, item, scratch); break;
+        case Phase::kCount: break;
       }
     }
   }
@@ -90,7 +99,7 @@ struct TierImpl {
       case DType::BF16: return plan_typed<bf16_t>(p, phase);
       case DType::F16: return plan_typed<f16_t>(p, phase);
     }
-    return PhasePlan{0, 0, 0, false};
+    return PhasePlan{0, 0, 0};
   }
 
   static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch,

@@ -1,0 +1,26 @@
+// The parallel driver: runs the phases of a planned call (plan.h) on PyTorch's thread pool, each
+// thread with its own scratch, and owns the shared buffers between phases.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include "params.h"
+#include "plan.h"
+
+namespace flashsdpa {
+
+// p: a forward call (out, lse set); runs decode, or pre-pack + forward, as the policy says.
+void run_forward(AttnParams& p, const KernelPolicy& pol);
+// p: a backward call (dq / dk / dv / delta set); runs delta, then one pass or two sweeps.
+void run_backward(AttnParams& p, const KernelPolicy& pol);
+
+// Debugging aid used by the tests: every output and scratch buffer starts as NaN, so that an
+// element a kernel forgets to write shows up as NaN.
+void set_debug_poison(bool on);
+bool debug_poison();
+void poison(const at::Tensor& t);  // fills t with NaN when poisoning is on
+
+// Test-only: the counters handed to the kernels (AttnParams::counters) while counting is on.
+void set_path_counting(bool on);
+PathCounters* path_counters();  // null while counting is off
+
+}  // namespace flashsdpa

@@ -1,0 +1,125 @@
+// The kernel policy (plan.h). Compiled once, without ISA flags.
+#include "plan.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+
+namespace flashsdpa {
+
+namespace {
+
+std::mutex g_override_mutex;
+PolicyOverride g_override;
+std::atomic<bool> g_overridden{false};  // fast path: no lock while nothing is forced
+thread_local KernelPolicy t_last{};
+
+PolicyOverride current_override() {
+  if (!g_overridden.load(std::memory_order_acquire)) return PolicyOverride{};
+  std::lock_guard<std::mutex> lock(g_override_mutex);
+  return g_override;
+}
+
+// A forced on/off (1 / 0) or the plan's own choice (-1).
+bool choose(int forced, bool own) { return forced < 0 ? own : forced != 0; }
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Largest q_len the split-KV decode path takes: against the prefill blocking (AVX2 tier, H = 32,
+// D = 128, KV 4096-8192, fp32 and bf16, MHA and GQA-4) decode is faster up to q_len 16, about
+// even at 32, slower at 64.
+constexpr int64_t kDecodeMaxLq = 16;
+
+// Short sequences: one q block per (batch, head) spanning every query row (each kv block's
+// panels packed once, into the thread's own scratch) beats q blocks of the tier's size when
+// those B * H items keep the threads busy. It never changes a result: every output row is the
+// same sum in the same order whichever block holds it.
+constexpr int64_t kWholeQMaxLq = 512;
+
+// Keys per block: the per-thread working set (K^T and V panels of one kv block plus the score
+// tile) should stay in L2, bk = kL2PanelBytes / (4 * (D + Dv)), clamped, a whole number of
+// panels. bk depends on the shape only: it sets the order of the online softmax.
+constexpr int64_t kL2PanelBytes = 256 * 1024;
+constexpr int64_t kMinBk = 64, kMaxBk = 256;
+
+// The share of the threads' time n equally expensive items keep busy: at::parallel_for gives
+// each of T threads ceil(n / T) of them.
+double thread_busy(int64_t n_items) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1) return 1.0;
+  return double(n_items) / double(threads * ((n_items + threads - 1) / threads));
+}
+
+void choose_blocks(const AttnParams& p, const CpuTier& tier, int bq_max, int forced_bq,
+                   int forced_bk, KernelPolicy* pol) {
+  int64_t bq = p.Lq >= bq_max ? bq_max : round_up(std::max<int64_t>(p.Lq, 1), tier.mr);
+  int64_t bk = std::clamp(kL2PanelBytes / (4 * (p.D + p.Dv)), kMinBk, kMaxBk);
+  bk = round_up(std::min(bk, round_up(std::max<int64_t>(p.Lk, 1), tier.nr)), tier.nr);
+  if (forced_bq > 0) bq = round_up(forced_bq, tier.mr);
+  if (forced_bk > 0) bk = round_up(forced_bk, tier.nr);
+  pol->bq = int(bq);
+  pol->bk = int(bk);
+}
+
+KernelPolicy base_policy(const AttnParams& p) {
+  KernelPolicy pol{};
+  pol.isa = cpu::selected_isa(p.dtype);
+  pol.tier = &cpu::selected_tier(p.dtype);
+  return pol;
+}
+
+}  // namespace
+
+KernelPolicy plan_forward(const AttnParams& p) {
+  const PolicyOverride o = current_override();
+  KernelPolicy pol = base_policy(p);
+  const CpuTier& tier = *pol.tier;
+  pol.decode = p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
+  pol.transposed = !pol.decode && tier.transposed_s && p.dtype == DType::F32 &&
+                   p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
+                   p.k_sl <= INT32_MAX &&  // K's row stride is the GEMM's int lda
+                   choose(o.transposed, true);
+  pol.fused_exp = tier.fused_exp && choose(o.fused_exp, true);
+  choose_blocks(p, tier, tier.block_q, o.fwd_bq, o.fwd_bk, &pol);
+  pol.whole_q = o.fwd_bq == 0 &&
+                choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);
+  if (pol.whole_q) pol.bq = int(round_up(std::max<int64_t>(p.Lq, 1), tier.mr));
+  // Pack K^T / V once when each kv block is read by more than one q block (several per head,
+  // or several query heads per kv head); the transposed path reads K and V in place.
+  pol.prepack = !pol.decode && !pol.transposed &&
+                choose(o.prepack, p.Lq > pol.bq || p.Hq > p.Hkv);
+  t_last = pol;
+  return pol;
+}
+
+KernelPolicy plan_backward(const AttnParams& p) {
+  const PolicyOverride o = current_override();
+  KernelPolicy pol = base_policy(p);
+  choose_blocks(p, *pol.tier, pol.tier->block_q_bwd, o.bwd_bq, o.bwd_bk, &pol);
+  // The single pass has one item per (batch, kv head), all equally expensive; it wins unless
+  // those items leave threads idle (the two sweeps do 7/5 of its gemm work). Both give the same
+  // bits (the same tiles accumulated in the same order), so this thread-count choice never
+  // changes a gradient.
+  pol.fused_bwd = choose(o.fused_bwd, thread_busy(p.B * p.Hkv) >= 5.0 / 7.0 * 1.1);
+  t_last = pol;
+  return pol;
+}
+
+void set_policy_override(const PolicyOverride& o) {
+  std::lock_guard<std::mutex> lock(g_override_mutex);
+  g_override = o;
+  const PolicyOverride none;
+  g_overridden.store(o.decode != none.decode || o.transposed != none.transposed ||
+                         o.prepack != none.prepack || o.fused_exp != none.fused_exp ||
+                         o.whole_q != none.whole_q || o.fused_bwd != none.fused_bwd ||
+                         o.fwd_bq || o.fwd_bk || o.bwd_bq || o.bwd_bk,
+                     std::memory_order_release);
+}
+
+PolicyOverride policy_override() { return current_override(); }
+
+KernelPolicy last_policy() { return t_last; }
+
+}  // namespace flashsdpa

@@ -1,0 +1,38 @@
+// The kernel policy of one call: which tier runs, which of its paths, with which blocks. Decided
+// here and nowhere else, from the call's shape and the tier (and, for choices that never change
+// a result, the thread count), so a special path is switched on in one place.
+#pragma once
+#include "cpu/isa.h"
+#include "params.h"
+
+namespace flashsdpa {
+
+struct KernelPolicy {
+  cpu::Isa isa;
+  const CpuTier* tier;
+  bool decode;      // forward: split-KV decode (short queries)
+  bool transposed;  // forward: the transposed-score path (Phase::ForwardTransposed)
+  bool prepack;     // forward: K^T / V panels packed once for all q blocks (Phase::PackKV)
+  bool fused_exp;   // forward: exponentials fused into the S GEMM where that is exact
+  bool whole_q;     // forward: one q block per (batch, head)
+  bool fused_bwd;   // backward: one pass per (batch, kv head) instead of two sweeps
+  int bq, bk;       // the blocks of the call's phases (query rows, keys)
+};
+
+// The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
+// and causal filled in); records it as this thread's last_policy().
+KernelPolicy plan_forward(const AttnParams& p);
+KernelPolicy plan_backward(const AttnParams& p);
+
+// Testing and tuning: parts of the policy forced process-wide (-1 / 0: the plan's own choice).
+// Forcing a path the tier or the call cannot take is ignored (the plan's conditions still hold).
+struct PolicyOverride {
+  int decode = -1, transposed = -1, prepack = -1, fused_exp = -1, whole_q = -1, fused_bwd = -1;
+  int fwd_bq = 0, fwd_bk = 0, bwd_bq = 0, bwd_bk = 0;
+};
+void set_policy_override(const PolicyOverride& o);
+PolicyOverride policy_override();
+// The policy of the last call planned on this thread (the tests' proof of which path ran).
+KernelPolicy last_policy();
+
+}  // namespace flashsdpa

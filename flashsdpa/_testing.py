@@ -1,0 +1,64 @@
+"""Test and tuning hooks (not public API): context managers over flashsdpa._C.testing.
+
+    with policy(prepack=0, fwd_bq=64): ...   # force parts of the kernel policy (csrc/plan.h)
+    last_policy()                            # the policy of this thread's last CPU call
+    with counting() as counts: ...; counts() # fast paths taken inside the kernels
+    with emulated("avx512"): ...             # the SIMDe build of a tier
+    with poisoned(): ...                     # outputs and scratch start as NaN
+Every context restores what it found on exit. Policy fields: decode, transposed, prepack,
+fused_exp, whole_q, fused_bwd (1 on, 0 off, -1 the plan's choice) and fwd_bq, fwd_bk, bwd_bq,
+bwd_bk (block sizes, 0 the plan's choice).
+"""
+import contextlib
+
+from . import _C
+
+_T = _C.testing
+decode_features = _T.decode_features
+dropout_keep_mask = _T.dropout_keep_mask
+exp2_row_sum = _T.exp2_row_sum
+last_policy = _T.last_policy
+set_policy = _T.set_policy  # a dict of policy fields, replacing what is forced ({}: nothing)
+
+
+@contextlib.contextmanager
+def policy(**fields):
+    """Parts of the kernel policy forced inside the block (on top of what is already forced)."""
+    previous = _T.policy()
+    _T.set_policy(dict(previous, **fields))
+    try:
+        yield
+    finally:
+        _T.set_policy(previous)
+
+
+@contextlib.contextmanager
+def counting():
+    """Counts the fast paths the kernels take inside the block; yields a function that returns
+    the counts so far (a dict)."""
+    _T.set_path_counting(True)
+    try:
+        yield _T.path_counts
+    finally:
+        _T.set_path_counting(False)
+
+
+@contextlib.contextmanager
+def emulated(tier):
+    """The SIMDe-emulated build of `tier` runs the dtypes it implements inside the block."""
+    _T.set_emulated_tier(tier)
+    try:
+        yield
+    finally:
+        _T.set_emulated_tier("")
+
+
+@contextlib.contextmanager
+def poisoned(on=True):
+    """Every output and scratch buffer of the CPU kernels starts as NaN inside the block."""
+    previous = _T.debug_poison()
+    _T.set_debug_poison(on)
+    try:
+        yield
+    finally:
+        _T.set_debug_poison(previous)

@@ -150,6 +150,13 @@ void run_backward(AttnParams& p, const KernelPolicy& pol) {
   }
 }
 
+std::string forward_event(const KernelPolicy& pol, DType dt) {
+  const Phase phase = pol.decode       ? Phase::DecodeSplit
+                      : pol.transposed ? Phase::ForwardTransposed
+                                       : Phase::Forward;
+  return profiler_name(phase, pol.isa, dt);
+}
+
 void set_debug_poison(bool on) { g_debug_poison.store(on); }
 bool debug_poison() { return g_debug_poison.load(); }
 

@@ -13,6 +13,10 @@ void run_forward(AttnParams& p, const KernelPolicy& pol);
 // p: a backward call (dq / dk / dv / delta set); runs delta, then one pass or two sweeps.
 void run_backward(AttnParams& p, const KernelPolicy& pol);
 
+// The profiler event of the forward's first compute phase under pol ("flashsdpa::cpu_forward[
+// avx2,fp32]", "...cpu_forward_transposed...", "...cpu_decode_split..."): what explain() names.
+std::string forward_event(const KernelPolicy& pol, DType dt);
+
 // Debugging aid used by the tests: every output and scratch buffer starts as NaN, so that an
 // element a kernel forgets to write shows up as NaN.
 void set_debug_poison(bool on);

@@ -1,6 +1,7 @@
 // Python bindings of flashsdpa._C: CPU feature report, tier selection, routing switch, and (in
 // the `testing` submodule) the test and tuning hooks.
 // The ops themselves are registered with TORCH_LIBRARY in ops.cpp.
+#include <ATen/autocast_mode.h>
 #include <torch/extension.h>
 
 #include <string>
@@ -177,6 +178,57 @@ py::dict last_policy_dict() {
   return d;
 }
 
+// The routing decision for explain() and the GPU direct path (flashsdpa/_api.py). Under CPU
+// autocast the call is first cast as PyTorch's autocast rule for SDPA casts it (both entries see
+// the cast inputs). Keys: backend ("cpu", "triton", "pytorch"), invalid, reasons (per flashsdpa
+// backend), via, declined, kernel (the profiler event of what runs), policy (the CPU kernel's).
+py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Tensor> mask,
+                       double dropout_p, bool is_causal, c10::optional<double> scale,
+                       bool enable_gqa, const std::string& entry, bool routing_on) {
+  using flashsdpa::Backend;
+  if (q.device().is_cpu() && at::autocast::is_autocast_enabled(at::kCPU)) {
+    const auto dt = at::autocast::get_autocast_dtype(at::kCPU);
+    const auto cast = [&](const at::Tensor& t) {
+      return at::autocast::cached_cast(dt, t, c10::DeviceType::CPU);
+    };
+    q = cast(q), k = cast(k), v = cast(v);
+    if (mask.has_value() && mask->defined()) mask = cast(*mask);
+  }
+  const flashsdpa::Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+  if (entry != "direct" && entry != "aten")
+    throw py::value_error("decide: entry must be 'direct' or 'aten'");
+  const flashsdpa::Decision d = flashsdpa::decide(
+      c, entry == "direct" ? flashsdpa::Entry::Direct : flashsdpa::Entry::AtenSdpa, routing_on);
+  const char* names[3] = {"cpu", "triton", "pytorch"};
+  py::dict out;
+  out["backend"] = names[int(d.backend)];
+  out["invalid"] = d.invalid;
+  py::dict reasons;
+  for (int b = 0; b < 2; ++b) reasons[names[b]] = d.reasons[b];
+  out["reasons"] = reasons;
+  out["target"] = names[int(d.target)];
+  out["dtype"] = std::string(c10::getDtypeNames(q.scalar_type()).first);  // after autocast
+  out["via"] = d.via;
+  out["declined"] = d.declined;
+  out["kernel"] = "";
+  if (d.backend == Backend::CpuKernel) {
+    const flashsdpa::Shaped s = flashsdpa::to_4d(q, k, v, mask);
+    const auto plan = flashsdpa::forward_plan(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale);
+    out["kernel"] = plan.second;
+    py::dict pol;
+    pol["tier"] = flashsdpa::cpu::isa_name(plan.first.isa);
+    pol["decode"] = plan.first.decode;
+    pol["transposed"] = plan.first.transposed;
+    pol["prepack"] = plan.first.prepack;
+    out["policy"] = pol;
+  } else if (d.backend == Backend::Triton) {
+    out["kernel"] = "flashsdpa::triton_attn_fwd";
+  } else if (d.invalid.empty()) {
+    out["kernel"] = flashsdpa::pytorch_kernel(c);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -212,21 +264,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("routing_enabled", &flashsdpa::routing_enabled);
   m.def("set_overrideable_route", &flashsdpa::set_overrideable_route, py::arg("device"),
         "route SDPA calls on this device type to the overrideable aten op ('' for none)");
-  m.def(
-      "decline_reasons",
-      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const c10::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
-        return flashsdpa::decline_reasons(q, k, v, mask, dropout_p, enable_gqa);
-      },
-      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
-      py::arg("dropout_p"), py::arg("enable_gqa"));
-  m.def(
-      "check_sdpa_args",
-      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-         const c10::optional<at::Tensor>& mask, double dropout_p, c10::optional<double> scale,
-         bool enable_gqa) { flashsdpa::check_sdpa_args(q, k, v, mask, dropout_p, scale, enable_gqa); },
-      py::arg("query"), py::arg("key"), py::arg("value"), py::arg("attn_mask"),
-      py::arg("dropout_p"), py::arg("scale"), py::arg("enable_gqa"));
+  m.def("set_triton_available", &flashsdpa::set_triton_available, py::arg("available"));
+  m.def("decide", &decision_dict, py::arg("query"), py::arg("key"), py::arg("value"),
+        py::arg("attn_mask"), py::arg("dropout_p"), py::arg("is_causal"), py::arg("scale"),
+        py::arg("enable_gqa"), py::arg("entry"), py::arg("routing_on"),
+        "the routing decision for a call (routing.h), as explain() prints it");
   m.def(
       "set_fallback_logger",
       [](py::object fn) {

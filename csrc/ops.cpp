@@ -19,6 +19,7 @@
 #include "cpu/isa.h"
 #include "driver.h"
 #include "plan.h"
+#include "routing.h"
 
 namespace flashsdpa {
 
@@ -41,58 +42,38 @@ at::Tensor last_dim_unit_stride(const at::Tensor& t) {
   return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
 }
 
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(q.dim() == 4, "flashsdpa: query must be 4-D (batch, heads, seq_len, head_dim), got ",
-              q.dim(), "-D");
-  TORCH_CHECK(k.dim() == 4, "flashsdpa: key must be 4-D (batch, heads, seq_len, head_dim), got ",
-              k.dim(), "-D");
-  TORCH_CHECK(v.dim() == 4, "flashsdpa: value must be 4-D (batch, heads, seq_len, head_dim), got ",
-              v.dim(), "-D");
+// The ops' inputs. The SDPA rules themselves are the direct API's (routing.cpp: one validation,
+// ValueError naming the argument); on top of them the ops take only what routing hands the
+// kernels (RuntimeError): 4-D CPU tensors in a kernel dtype, key / value batch already
+// broadcast, dropout below 1, head dims the kernels index with 32-bit ints.
+void check_op_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& mask, double dropout_p) {
+  const char* names[3] = {"query", "key", "value"};
+  const at::Tensor* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(ts[i]->dim() == 4, "flashsdpa: ", names[i],
+                " must be 4-D (batch, heads, seq_len, head_dim), got ", ts[i]->dim(), "-D");
+  check_sdpa_args(Call{q, k, v, mask, dropout_p, false, c10::nullopt, /*enable_gqa=*/true});
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
               "flashsdpa: query.dtype must be float32, bfloat16 or float16, got ", st);
-  TORCH_CHECK(k.scalar_type() == st, "flashsdpa: key.dtype (", k.scalar_type(),
-              ") must match query.dtype (", st, ")");
-  TORCH_CHECK(v.scalar_type() == st, "flashsdpa: value.dtype (", v.scalar_type(),
-              ") must match query.dtype (", st, ")");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
-              "flashsdpa: the CPU kernel needs query, key and value on the CPU, got ", q.device(),
-              ", ", k.device(), ", ", v.device());
-  TORCH_CHECK(k.size(0) == q.size(0), "flashsdpa: key batch size (", k.size(0),
-              ") must match query batch size (", q.size(0), ")");
-  TORCH_CHECK(v.size(0) == q.size(0), "flashsdpa: value batch size (", v.size(0),
-              ") must match query batch size (", q.size(0), ")");
-  TORCH_CHECK(v.size(1) == k.size(1), "flashsdpa: value heads (", v.size(1),
-              ") must match key heads (", k.size(1), ")");
-  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "flashsdpa: query heads (", q.size(1),
-              ") must be a multiple of key/value heads (", k.size(1), ") for grouped-query attention");
-  TORCH_CHECK(v.size(2) == k.size(2), "flashsdpa: value seq_len (", v.size(2),
-              ") must match key seq_len (", k.size(2), ")");
-  TORCH_CHECK(k.size(3) == q.size(3), "flashsdpa: key head_dim (", k.size(3),
-              ") must match query head_dim (", q.size(3), ")");
-  TORCH_CHECK(q.size(3) > 0 && q.size(3) <= kMaxHeadDim, "flashsdpa: query head_dim must be in [1, ",
-              kMaxHeadDim, "], got ", q.size(3));
-  TORCH_CHECK(v.size(3) > 0 && v.size(3) <= kMaxHeadDim, "flashsdpa: value head_dim must be in [1, ",
-              kMaxHeadDim, "], got ", v.size(3));
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
+                  (!mask.has_value() || !mask->defined() || mask->device().is_cpu()),
+              "flashsdpa: the CPU kernel needs its tensors on the CPU, got ", q.device(), ", ",
+              k.device(), ", ", v.device());
+  for (int i = 1; i < 3; ++i)
+    TORCH_CHECK(ts[i]->size(0) == q.size(0), "flashsdpa: ", names[i], " batch size (",
+                ts[i]->size(0), ") must match query batch size (", q.size(0), ")");
+  TORCH_CHECK(dropout_p < 1.0, "flashsdpa: dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK(q.size(3) > 0 && q.size(3) <= kMaxHeadDim && v.size(3) > 0 &&
+                  v.size(3) <= kMaxHeadDim,
+              "flashsdpa: head dims must be in [1, ", kMaxHeadDim, "], got query ", q.size(3),
+              ", value ", v.size(3));
 }
 
-// Mask: bool, float32 or the query dtype; any shape that broadcasts to (B, Hq, Lq, Lk).
-// Returns the (B, Hq, Lq, Lk) view (stride 0 on broadcast dims), never a copy.
-at::Tensor check_mask(const at::Tensor& m, const at::Tensor& q, int64_t Lk) {
-  const auto st = m.scalar_type();
-  TORCH_CHECK(st == at::kBool || st == at::kFloat || st == q.scalar_type(),
-              "flashsdpa: attn_mask.dtype must be bool, float32 or query.dtype (",
-              q.scalar_type(), "), got ", st);
-  TORCH_CHECK(m.device().is_cpu(), "flashsdpa: attn_mask must be on the CPU, got ", m.device());
-  TORCH_CHECK(m.dim() <= 4, "flashsdpa: attn_mask must have at most 4 dims, got ", m.dim());
-  const int64_t target[4] = {q.size(0), q.size(1), q.size(2), Lk};
-  const int64_t off = 4 - m.dim();
-  for (int64_t d = 0; d < m.dim(); ++d) {
-    TORCH_CHECK(m.size(d) == 1 || m.size(d) == target[off + d], "flashsdpa: attn_mask of shape ",
-                m.sizes(), " does not broadcast to (batch, heads, L, S) = (", target[0], ", ",
-                target[1], ", ", target[2], ", ", target[3], ")");
-  }
-  return m.expand({target[0], target[1], target[2], target[3]});
+// The mask as a (B, Hq, Lq, Lk) view (stride 0 on broadcast dims), never a copy.
+at::Tensor mask_4d(const at::Tensor& m, const at::Tensor& q, int64_t Lk) {
+  return m.expand({q.size(0), q.size(1), q.size(2), Lk});
 }
 
 MaskType mask_type_of(const at::Tensor& m) {
@@ -105,9 +86,6 @@ MaskType mask_type_of(const at::Tensor& m) {
   }
 }
 
-void check_dropout(double p) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "flashsdpa: dropout_p must be in [0, 1), got ", p);
-}
 
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const c10::optional<at::Tensor>& mask4, double dropout_p, bool causal,
@@ -165,13 +143,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     c10::optional<double> scale) {
-  check_qkv(query, key, value);
-  check_dropout(dropout_p);
+  check_op_inputs(query, key, value, attn_mask, dropout_p);
   const at::Tensor q = last_dim_unit_stride(query);
   const at::Tensor k = last_dim_unit_stride(key);
   const at::Tensor v = last_dim_unit_stride(value);
   c10::optional<at::Tensor> mask4;
-  if (attn_mask.has_value() && attn_mask->defined()) mask4 = check_mask(*attn_mask, q, k.size(2));
+  if (attn_mask.has_value() && attn_mask->defined()) mask4 = mask_4d(*attn_mask, q, k.size(2));
 
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   at::Tensor out = output_like_query(query, v.size(3));
@@ -197,13 +174,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   return {out, lse, rng};
 }
 
+std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v,
+                                                  const c10::optional<at::Tensor>& mask,
+                                                  double dropout_p, bool is_causal,
+                                                  c10::optional<double> scale) {
+  c10::optional<at::Tensor> mask4;
+  if (mask.has_value() && mask->defined()) mask4 = mask_4d(*mask, q, k.size(2));
+  AttnParams p;
+  fill_common(p, last_dim_unit_stride(q), last_dim_unit_stride(k), last_dim_unit_stride(v),
+              mask4, dropout_p, is_causal, scale);
+  const KernelPolicy pol = plan_forward(p, /*record=*/false);
+  return {pol, forward_event(pol, p.dtype)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, c10::optional<double> scale) {
-  check_qkv(query, key, value);
-  check_dropout(dropout_p);
+  check_op_inputs(query, key, value, attn_mask, dropout_p);
   const int64_t B = query.size(0), Hq = query.size(1), Lq = query.size(2), Dv = value.size(3);
   const std::vector<int64_t> o_shape{B, Hq, Lq, Dv};
   TORCH_CHECK(grad_out.sizes() == o_shape, "flashsdpa: grad_out must have shape ", o_shape,
@@ -226,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   const at::Tensor o = last_dim_unit_stride(out);
   const at::Tensor dO = last_dim_unit_stride(grad_out);
   c10::optional<at::Tensor> mask4;
-  if (attn_mask.has_value() && attn_mask->defined()) mask4 = check_mask(*attn_mask, q, k.size(2));
+  if (attn_mask.has_value() && attn_mask->defined()) mask4 = mask_4d(*attn_mask, q, k.size(2));
 
   // PyTorch's CPU gradient layout: (B, H, L, D) viewed on a (B, L, H, D) buffer.
   at::Tensor dq = at::empty_permuted(q.sizes(), {0, 2, 1, 3}, q.options());

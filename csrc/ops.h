@@ -30,4 +30,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 
+// The kernel policy and first profiler event (driver.h, forward_event) of a forward call with
+// these 4-D inputs, without running or recording it: explain().
+struct KernelPolicy;
+std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v,
+                                                  const c10::optional<at::Tensor>& mask,
+                                                  double dropout_p, bool is_causal,
+                                                  c10::optional<double> scale);
+
 }  // namespace flashsdpa

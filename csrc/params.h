@@ -99,7 +99,7 @@ struct PathCounters {
 };
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
-// ops.cpp runs the loop (at::parallel_for) and the tier runs the items.
+// driver.cpp runs the loop (at::parallel_for) and the tier runs the items.
 enum class Phase : int32_t {
   PackKV = 4,    // items: (b, hkv, kv-block): K^T and V panels into kv_pack (when worth it)
   Forward = 0,   // items: (b, hq, q-block)

@@ -72,7 +72,7 @@ KernelPolicy base_policy(const AttnParams& p) {
 
 }  // namespace
 
-KernelPolicy plan_forward(const AttnParams& p) {
+KernelPolicy plan_forward(const AttnParams& p, bool record) {
   const PolicyOverride o = current_override();
   KernelPolicy pol = base_policy(p);
   const CpuTier& tier = *pol.tier;
@@ -90,7 +90,7 @@ KernelPolicy plan_forward(const AttnParams& p) {
   // or several query heads per kv head); the transposed path reads K and V in place.
   pol.prepack = !pol.decode && !pol.transposed &&
                 choose(o.prepack, p.Lq > pol.bq || p.Hq > p.Hkv);
-  t_last = pol;
+  if (record) t_last = pol;
   return pol;
 }
 

@@ -21,7 +21,8 @@ struct KernelPolicy {
 
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
-KernelPolicy plan_forward(const AttnParams& p);
+// (record = false: explain() asking, not a call)
+KernelPolicy plan_forward(const AttnParams& p, bool record = true);
 KernelPolicy plan_backward(const AttnParams& p);
 
 // Testing and tuning: parts of the policy forced process-wide (-1 / 0: the plan's own choice).

@@ -1,26 +1,26 @@
-// SDPA routing: one decision for the direct API (flashsdpa::sdpa), for
-// F.scaled_dot_product_attention once flashsdpa.enable() is on, and for explain().
-//
-//   flashsdpa::sdpa (CompositeImplicitAutograd): validate -> flashsdpa kernel, or PyTorch's own
-//       at::native::scaled_dot_product_attention with the reason noted.
+// SDPA routing (routing.h): the backends' limits as data, the one decision, and the entries that
+// act on it:
+//   flashsdpa::sdpa (CompositeImplicitAutograd): the direct API. Validate, decide, run.
 //   enable() registers, at run time (torch::Library objects, destroyed by disable()):
 //     aten::_scaled_dot_product_flash_attention_for_cpu[_backward] @ CPU
-//         everything PyTorch sends to its fused CPU kernel runs ours (its own autograd formula,
-//         checks and meta kernels stay in charge; float64 goes back to PyTorch's kernel);
+//         what PyTorch sends to its fused CPU kernel runs flashsdpa's, under PyTorch's own
+//         checks, autograd formula and meta kernels (so torch.compile graphs call it too);
 //     aten::scaled_dot_product_attention @ CompositeImplicitAutograd
-//         calls PyTorch would send to its math path but flashsdpa can fuse (dropout in training,
-//         3-D inputs, Dv != D, 3-D masks) run ours; everything else is passed through untouched.
+//         calls PyTorch would send to its math path but flashsdpa fuses (dropout in training,
+//         3-D inputs, Dv != D, 3-D masks), and on the routed GPU device type the calls the
+//         Triton kernels take; everything else passes through untouched.
 // No Python runs on these paths.
 #include "routing.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/SDPBackend.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_fused_sdp_choice.h>
-#include <ATen/ops/_scaled_dot_product_fused_attention_overrideable.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_native.h>
 #include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_native.h>
+#include <ATen/ops/_scaled_dot_product_fused_attention_overrideable.h>
 #include <ATen/ops/scaled_dot_product_attention_native.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -37,8 +37,6 @@ namespace flashsdpa {
 
 namespace {
 
-constexpr int64_t kSdpFlash = 1;  // sdp::SDPBackend::flash_attention, as _fused_sdp_choice returns
-
 // Routing code runs during torch.compile tracing on tensors with symbolic sizes: it reads
 // sizes as SymInts (never .size(), which would specialise a dynamic dimension) and branches
 // through guards.
@@ -48,8 +46,74 @@ std::string torch_dtype_name(at::ScalarType st) {
   return "torch." + std::string(c10::getDtypeNames(st).first);
 }
 
+bool has_mask(const Call& c) { return c.mask.has_value() && c.mask->defined(); }
+
+// ---- the backends' limits, as data ---------------------------------------------------------------
+constexpr uint64_t device_bit(c10::DeviceType t) { return uint64_t(1) << int(t); }
+
+struct BackendSpec {
+  Backend backend;
+  const char* name;
+  uint64_t devices;          // device_bit of each device type it runs on
+  const char* devices_text;  // the same, in words
+  int64_t max_head_dim;      // of q / k and of v
+  bool needs_triton;         // runs only where Triton is installed
+};
+// kBackends[b] describes Backend b; PyTorch's SDPA takes whatever they decline.
+const BackendSpec kBackends[] = {
+    {Backend::CpuKernel, "flashsdpa CPU kernel", device_bit(c10::DeviceType::CPU), "CPU tensors",
+     int64_t(1) << 16, false},
+    {Backend::Triton, "flashsdpa Triton kernels",
+     device_bit(c10::DeviceType::XPU) | device_bit(c10::DeviceType::CUDA), "xpu and cuda tensors",
+     256, true},
+};
+// Both flashsdpa backends compute in these input dtypes.
 bool kernel_dtype(at::ScalarType st) {
   return st == at::kFloat || st == at::kBFloat16 || st == at::kHalf;
+}
+
+std::atomic<bool> g_triton_available{false};
+// The device type whose SDPA calls go to aten::_scaled_dot_product_fused_attention_overrideable,
+// where flashsdpa's Triton kernels are registered (flashsdpa/_gpu.py); -1: none.
+std::atomic<int> g_overrideable_device{-1};
+
+constexpr const char* kDeclines = "PyTorch's SDPA: flashsdpa declines the call";
+
+// Why backend `s` cannot take the valid call c (empty: it can).
+std::vector<std::string> not_supported(const BackendSpec& s, const Call& c) {
+  std::vector<std::string> r;
+  const auto dev = c.q.device().type();
+  uint64_t devices = s.devices;
+  // the device type routed to the overrideable op runs the Triton kernels registered there
+  // (tests stand the CPU in for xpu this way)
+  const int routed = g_overrideable_device.load(std::memory_order_relaxed);
+  if (s.backend == Backend::Triton && routed >= 0) devices |= device_bit(c10::DeviceType(routed));
+  if (!(devices & device_bit(dev)) || c.k.device().type() != dev || c.v.device().type() != dev)
+    r.push_back(std::string("tensors on ") + c10::DeviceTypeName(dev, true) + ": the " +
+                s.name + " take " + s.devices_text);
+  if (s.needs_triton && !g_triton_available.load(std::memory_order_relaxed))
+    r.push_back("Triton is not installed");
+  if (!kernel_dtype(c.q.scalar_type()))
+    r.push_back("dtype " + torch_dtype_name(c.q.scalar_type()) +
+                ": kernels take float32, bfloat16, float16");
+  if (c.q.is_nested() || c.k.is_nested() || c.v.is_nested()) r.push_back("nested tensors");
+  if (!(c.q.dim() == c.k.dim() && c.k.dim() == c.v.dim() && (c.q.dim() == 3 || c.q.dim() == 4))) {
+    r.push_back("ranks query " + std::to_string(c.q.dim()) + "-D, key " +
+                std::to_string(c.k.dim()) + "-D, value " + std::to_string(c.v.dim()) +
+                "-D: kernels take 3-D or 4-D query/key/value of the same rank");
+  } else if (c.q.dim() == 3 && (holds(c.k.sym_size(0) != c.q.sym_size(0)) ||
+                                holds(c.v.sym_size(0) != c.q.sym_size(0)))) {
+    r.push_back("3-D inputs with a broadcast batch");
+  }
+  if (holds(c.q.sym_size(-1) == 0) || holds(c.v.sym_size(-1) == 0)) {
+    r.push_back("head_dim 0");
+  } else if (holds(c.q.sym_size(-1) > s.max_head_dim) || holds(c.v.sym_size(-1) > s.max_head_dim)) {
+    r.push_back("head dim above " + std::to_string(s.max_head_dim) + " (" + s.name + ")");
+  }
+  if (c.dropout_p >= 1.0) r.push_back("dropout_p == 1 (the output is all zeros)");
+  if (has_mask(c) && c.mask->requires_grad() && at::GradMode::is_enabled())
+    r.push_back("attn_mask requires grad: flashsdpa computes no mask gradient");
+  return r;
 }
 
 // ---- fallback notes ----------------------------------------------------------------------------
@@ -65,74 +129,12 @@ void note_fallback(const std::string& reason) {
   if (g_sink) g_sink(reason);
 }
 
-// ---- the shared decision ---------------------------------------------------------------------------
-// 3-D (N, L, E) inputs run as (N, 1, L, E); a 4-D key/value batch of 1 broadcasts (stride 0).
-struct Shaped {
-  at::Tensor q, k, v;
-  c10::optional<at::Tensor> mask;
-  bool squeeze;
-};
-
-Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const c10::optional<at::Tensor>& mask) {
-  Shaped s{q, k, v, mask, false};
-  if (q.dim() == 3) {
-    s.q = q.unsqueeze(1), s.k = k.unsqueeze(1), s.v = v.unsqueeze(1), s.squeeze = true;
-    if (mask.has_value() && mask->defined() && mask->dim() == 3) s.mask = mask->unsqueeze(1);
-    return s;
-  }
-  const c10::SymInt B = q.sym_size(0);
-  const c10::SymInt keep = -1;
-  if (holds(k.sym_size(0) != B)) s.k = k.expand_symint({B, keep, keep, keep});
-  if (holds(v.sym_size(0) != B)) s.v = v.expand_symint({B, keep, keep, keep});
-  return s;
-}
-
-at::Tensor run_ours(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                    c10::optional<double> scale) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
-                       .typed<FwdSignature>();
-  const Shaped s = to_4d(q, k, v, mask);
-  at::Tensor out = std::get<0>(op.call(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale));
-  return s.squeeze ? out.squeeze(1) : out;
-}
-
-at::Tensor pytorch_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                        c10::optional<double> scale, bool enable_gqa) {
-  return at::native::scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale,
-                                                  enable_gqa);
-}
-
-// ---- routed aten overrides -------------------------------------------------------------------------
-std::tuple<at::Tensor, at::Tensor> aten_flash_cpu(const at::Tensor& q, const at::Tensor& k,
-                                                  const at::Tensor& v, double dropout_p,
-                                                  bool is_causal,
-                                                  const c10::optional<at::Tensor>& attn_mask,
-                                                  c10::optional<double> scale) {
-  if (kernel_dtype(q.scalar_type()) && dropout_p == 0.0) {
-    auto res = flash_attn_fwd_cpu(q, k, v, attn_mask, 0.0, is_causal, scale);
-    return {std::get<0>(res), std::get<1>(res)};
-  }
-  note_fallback("aten flash CPU kernel with dtype " + torch_dtype_name(q.scalar_type()) +
-                (dropout_p != 0.0 ? " and dropout" : "") + ": PyTorch's kernel runs");
-  return at::native::_scaled_dot_product_flash_attention_cpu(q, k, v, dropout_p, is_causal,
-                                                             attn_mask, scale);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
-    const c10::optional<at::Tensor>& attn_mask, c10::optional<double> scale) {
-  if (kernel_dtype(q.scalar_type()) && dropout_p == 0.0) {
-    const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
-    return flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
-                              scale);
-  }
-  return at::native::_scaled_dot_product_flash_attention_cpu_backward(
-      grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale);
+// A decision that sent the call to PyTorch for a reason the user may want to know.
+void note_fallback(const Decision& d) {
+  if (!d.invalid.empty()) return note_fallback("invalid arguments: PyTorch reports the error");
+  if (!d.declined) return;
+  const auto& reasons = d.reasons[d.target == Backend::PyTorch ? 0 : int(d.target)];
+  note_fallback(reasons.empty() ? d.via : reasons.front());
 }
 
 // True while torch.compile / export traces (fake or functional tensors, or a Python dispatch
@@ -145,58 +147,87 @@ bool tracing(const at::Tensor& t) {
          c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python);
 }
 
-// The device type whose SDPA calls go to aten::_scaled_dot_product_fused_attention_overrideable,
-// where flashsdpa's Triton kernels are registered (flashsdpa/_gpu.py); -1: none.
-std::atomic<int> g_overrideable_device{-1};
-constexpr int64_t kTritonMaxHeadDim = 256;
 
-std::vector<std::string> decline_reasons_impl(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v,
-                                              const c10::optional<at::Tensor>& mask,
-                                              double dropout_p, bool cpu_only);
+// The rule of the aten flash CPU op's override: PyTorch's autograd formula for that op carries
+// no dropout state, so only dropout-free calls in a kernel dtype are flashsdpa's.
+void decide_aten_flash_cpu(const Call& c, Decision* d) {
+  d->reasons[int(Backend::CpuKernel)] = not_supported(kBackends[int(Backend::CpuKernel)], c);
+  if (c.dropout_p != 0.0)
+    d->reasons[int(Backend::CpuKernel)].push_back(
+        "dropout through aten::_scaled_dot_product_flash_attention_for_cpu (its backward "
+        "formula carries no dropout state)");
+  const bool ours = d->reasons[int(Backend::CpuKernel)].empty();
+  d->backend = ours ? Backend::CpuKernel : Backend::PyTorch;
+  d->target = Backend::CpuKernel;
+  d->declined = !ours;
+  d->via = ours ? "aten::_scaled_dot_product_flash_attention_for_cpu, which enable() overrides"
+                : "aten::_scaled_dot_product_flash_attention_for_cpu: PyTorch's kernel";
+}
 
-// A device routed to the overrideable op: every call the Triton kernels take goes there (PyTorch's
-// autograd formula and meta kernel for that op stay in charge); the rest runs PyTorch's SDPA.
-at::Tensor sdpa_via_overrideable(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                 const c10::optional<at::Tensor>& mask, double dropout_p,
-                                 bool is_causal, c10::optional<double> scale, bool enable_gqa) {
-  auto& ctx = at::globalContext();
-  if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledOverrideableSDP())
-    return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
-  auto reasons = decline_reasons_impl(q, k, v, mask, dropout_p, /*cpu_only=*/false);
-  if (reasons.empty() && (holds(q.sym_size(-1) > kTritonMaxHeadDim) ||
-                          holds(v.sym_size(-1) > kTritonMaxHeadDim)))
-    reasons.push_back("head dim above 256 (Triton kernels)");
-  if (reasons.empty() && valid_call(q, k, v, mask, dropout_p, enable_gqa)) {
-    return std::get<0>(at::_scaled_dot_product_fused_attention_overrideable(
-        q, k, v, mask, dropout_p, is_causal, /*return_debug_mask=*/false, scale));
+// ---- running a decision -------------------------------------------------------------------------
+at::Tensor run_cpu_kernel(const Call& c) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
+                       .typed<FwdSignature>();
+  const Shaped s = to_4d(c.q, c.k, c.v, c.mask);
+  at::Tensor out = std::get<0>(op.call(s.q, s.k, s.v, s.mask, c.dropout_p, c.is_causal, c.scale));
+  return s.squeeze ? out.squeeze(1) : out;
+}
+
+at::Tensor run_pytorch(const Call& c) {
+  return at::native::scaled_dot_product_attention(c.q, c.k, c.v, c.mask, c.dropout_p,
+                                                  c.is_causal, c.scale, c.enable_gqa);
+}
+
+// ---- the aten overrides --------------------------------------------------------------------------
+std::tuple<at::Tensor, at::Tensor> aten_flash_cpu(const at::Tensor& q, const at::Tensor& k,
+                                                  const at::Tensor& v, double dropout_p,
+                                                  bool is_causal,
+                                                  const c10::optional<at::Tensor>& attn_mask,
+                                                  c10::optional<double> scale) {
+  const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
+  const Decision d = decide(c, Entry::AtenFlashCpu);
+  if (d.backend == Backend::CpuKernel) {
+    auto res = flash_attn_fwd_cpu(q, k, v, attn_mask, 0.0, is_causal, scale);
+    return {std::get<0>(res), std::get<1>(res)};
   }
-  note_fallback(reasons.empty() ? "invalid arguments: PyTorch reports the error"
-                                : reasons.front());
-  return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+  note_fallback(d);  // e.g. float64: PyTorch's kernel
+  return at::native::_scaled_dot_product_flash_attention_cpu(q, k, v, dropout_p, is_causal,
+                                                             attn_mask, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
+    const c10::optional<at::Tensor>& attn_mask, c10::optional<double> scale) {
+  // The forward's decision again (it depends on dtype and dropout only): the backward of
+  // whichever kernel made `out` and `lse`.
+  const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
+  if (decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
+    const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
+    return flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
+                              scale);
+  }
+  return at::native::_scaled_dot_product_flash_attention_cpu_backward(
+      grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale);
 }
 
 at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      c10::optional<double> scale, bool enable_gqa) {
-  if (static_cast<int>(q.device().type()) == g_overrideable_device.load())
-    return sdpa_via_overrideable(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
-  // Not ours to take: other devices, or the user excluded the flash backend (sdpa_kernel).
-  if (!q.device().is_cpu() || !at::globalContext().userEnabledFlashSDP())
-    return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
-  // Eager: what PyTorch sends to its fused kernel reaches ours through the overridden aten op,
-  // under PyTorch's own checks and (C++) autograd formula; only calls it would send to math are
-  // taken here. Traced: every call flashsdpa supports becomes its own op.
-  if (!tracing(q) && q.dim() == 4 && k.dim() == 4 && v.dim() == 4) {
-    const int64_t choice = at::_fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale,
-                                                 enable_gqa);
-    if (choice == kSdpFlash) return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+  const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+  const Decision d = decide(c, Entry::AtenSdpa);
+  switch (d.backend) {
+    case Backend::CpuKernel:
+      return run_cpu_kernel(c);
+    case Backend::Triton:
+      return std::get<0>(at::_scaled_dot_product_fused_attention_overrideable(
+          q, k, v, mask, dropout_p, is_causal, /*return_debug_mask=*/false, scale));
+    case Backend::PyTorch:
+      break;
   }
-  const std::string reason = decline_reason(q, k, v, mask, dropout_p, enable_gqa);
-  if (reason.empty() && valid_call(q, k, v, mask, dropout_p, enable_gqa))
-    return run_ours(q, k, v, mask, dropout_p, is_causal, scale);
-  note_fallback(reason.empty() ? "invalid arguments: PyTorch reports the error" : reason);
-  return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
+  note_fallback(d);
+  return run_pytorch(c);
 }
 
 std::unique_ptr<torch::Library> g_cpu_lib, g_cia_lib;
@@ -225,136 +256,212 @@ at::Tensor sdpa_autocast_cpu(const at::Tensor& q, const at::Tensor& k, const at:
 
 }  // namespace
 
-// ---- public -----------------------------------------------------------------------------------------
-void check_sdpa_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, double dropout_p,
-                     c10::optional<double> scale, bool enable_gqa) {
+// ---- validation ------------------------------------------------------------------------------------
+std::string invalid_argument(const Call& c) {
   const char* names[3] = {"query", "key", "value"};
-  const at::Tensor* ts[3] = {&q, &k, &v};
+  const at::Tensor* ts[3] = {&c.q, &c.k, &c.v};
   for (int i = 0; i < 3; ++i) {
-    TORCH_CHECK_VALUE(ts[i]->dim() >= 2, "flashsdpa: ", names[i],
+    if (ts[i]->dim() < 2)
+      return c10::str("flashsdpa: ", names[i],
                       " must have at least 2 dims (..., seq_len, head_dim), got ", ts[i]->dim(),
                       "-D");
-    TORCH_CHECK_VALUE(ts[i]->is_floating_point(), "flashsdpa: ", names[i],
-                      ".dtype must be a floating-point type, got ", ts[i]->scalar_type());
+    if (!ts[i]->is_floating_point())
+      return c10::str("flashsdpa: ", names[i], ".dtype must be a floating-point type, got ",
+                      ts[i]->scalar_type());
   }
-  TORCH_CHECK_VALUE(k.scalar_type() == q.scalar_type(), "flashsdpa: key.dtype (", k.scalar_type(),
-                    ") must match query.dtype (", q.scalar_type(), ")");
-  TORCH_CHECK_VALUE(v.scalar_type() == q.scalar_type(), "flashsdpa: value.dtype (",
-                    v.scalar_type(), ") must match query.dtype (", q.scalar_type(), ")");
-  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p <= 1.0,
-                    "flashsdpa: dropout_p must be in [0, 1], got ", dropout_p);
-  TORCH_CHECK_VALUE(holds(k.sym_size(-1) == q.sym_size(-1)), "flashsdpa: key head_dim (",
-                    k.sym_size(-1), ") must match query head_dim (", q.sym_size(-1), ")");
-  TORCH_CHECK_VALUE(holds(k.sym_size(-2) == v.sym_size(-2)), "flashsdpa: key seq_len (",
-                    k.sym_size(-2), ") must match value seq_len (", v.sym_size(-2), ")");
-  if (q.dim() == 4 && k.dim() == 4 && v.dim() == 4) {
-    const c10::SymInt B = q.sym_size(0);
-    TORCH_CHECK_VALUE(holds(k.sym_size(0) == 1) || holds(k.sym_size(0) == B),
-                      "flashsdpa: key batch size (", k.sym_size(0),
-                      ") must match query batch size (", B, ")");
-    TORCH_CHECK_VALUE(holds(v.sym_size(0) == 1) || holds(v.sym_size(0) == B),
-                      "flashsdpa: value batch size (", v.sym_size(0),
-                      ") must match query batch size (", B, ")");
-    const c10::SymInt hq = q.sym_size(1), hk = k.sym_size(1);
-    TORCH_CHECK_VALUE(holds(hk == v.sym_size(1)), "flashsdpa: key heads (", hk,
-                      ") must match value heads (", v.sym_size(1), ")");
-    if (enable_gqa) {
-      TORCH_CHECK_VALUE(holds(hk > 0) && holds(hq % hk == 0), "flashsdpa: query heads (", hq,
-                        ") must be a multiple of key/value heads (", hk, ") with enable_gqa=True");
-    } else {
-      TORCH_CHECK_VALUE(holds(hk == 1) || holds(hk == hq), "flashsdpa: query heads (", hq,
-                        ") differ from key/value heads (", hk,
-                        "); pass enable_gqa=True for grouped-query attention");
+  const auto st = c.q.scalar_type();
+  if (c.k.scalar_type() != st)
+    return c10::str("flashsdpa: key.dtype (", c.k.scalar_type(), ") must match query.dtype (", st,
+                    ")");
+  if (c.v.scalar_type() != st)
+    return c10::str("flashsdpa: value.dtype (", c.v.scalar_type(), ") must match query.dtype (",
+                    st, ")");
+  if (!(c.dropout_p >= 0.0 && c.dropout_p <= 1.0))
+    return c10::str("flashsdpa: dropout_p must be in [0, 1], got ", c.dropout_p);
+  if (!holds(c.k.sym_size(-1) == c.q.sym_size(-1)))
+    return c10::str("flashsdpa: key head_dim (", c.k.sym_size(-1), ") must match query head_dim (",
+                    c.q.sym_size(-1), ")");
+  if (!holds(c.k.sym_size(-2) == c.v.sym_size(-2)))
+    return c10::str("flashsdpa: key seq_len (", c.k.sym_size(-2), ") must match value seq_len (",
+                    c.v.sym_size(-2), ")");
+  if (c.q.dim() == 4 && c.k.dim() == 4 && c.v.dim() == 4) {
+    const c10::SymInt B = c.q.sym_size(0);
+    for (int i = 1; i < 3; ++i) {
+      const c10::SymInt b = ts[i]->sym_size(0);
+      if (!(holds(b == 1) || holds(b == B)))
+        return c10::str("flashsdpa: ", names[i], " batch size (", b,
+                        ") must match query batch size (", B, ")");
+    }
+    const c10::SymInt hq = c.q.sym_size(1), hk = c.k.sym_size(1);
+    if (!holds(hk == c.v.sym_size(1)))
+      return c10::str("flashsdpa: key heads (", hk, ") must match value heads (",
+                      c.v.sym_size(1), ")");
+    if (c.enable_gqa) {
+      if (!(holds(hk > 0) && holds(hq % hk == 0)))
+        return c10::str("flashsdpa: query heads (", hq, ") must be a multiple of key/value heads (",
+                        hk, ") with enable_gqa=True");
+    } else if (!(holds(hk == 1) || holds(hk == hq))) {
+      return c10::str("flashsdpa: query heads (", hq, ") differ from key/value heads (", hk,
+                      "); pass enable_gqa=True for grouped-query attention");
     }
   }
-  if (mask.has_value() && mask->defined()) {
-    const at::Tensor& m = *mask;
-    const auto st = m.scalar_type();
-    TORCH_CHECK_VALUE(st == at::kBool || st == at::kFloat || st == q.scalar_type(),
-                      "flashsdpa: attn_mask.dtype must be bool, float32 or query.dtype (",
-                      q.scalar_type(), "), got ", st);
-    std::vector<c10::SymInt> target(q.sym_sizes().begin(), q.sym_sizes().end() - 1);
-    target.push_back(k.sym_size(-2));
+  if (has_mask(c)) {
+    const at::Tensor& m = *c.mask;
+    const auto mt = m.scalar_type();
+    if (!(mt == at::kBool || mt == at::kFloat || mt == st))
+      return c10::str("flashsdpa: attn_mask.dtype must be bool, float32 or query.dtype (", st,
+                      "), got ", mt);
+    std::vector<c10::SymInt> target(c.q.sym_sizes().begin(), c.q.sym_sizes().end() - 1);
+    target.push_back(c.k.sym_size(-2));
     bool ok = m.dim() <= int64_t(target.size());
     for (int64_t d = 1; ok && d <= m.dim(); ++d) {
       const c10::SymInt ms = m.sym_size(-d);
       ok = holds(ms == 1) || holds(ms == target[target.size() - d]);
     }
-    TORCH_CHECK_VALUE(ok, "flashsdpa: attn_mask of shape ", m.sym_sizes(),
+    if (!ok)
+      return c10::str("flashsdpa: attn_mask of shape ", m.sym_sizes(),
                       " does not broadcast to the attention shape ", c10::SymIntArrayRef(target),
                       " (..., L, S)");
   }
-  (void)scale;
+  return std::string();
 }
 
-bool valid_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const c10::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa) {
+void check_sdpa_args(const Call& c) {
+  const std::string msg = invalid_argument(c);
+  TORCH_CHECK_VALUE(msg.empty(), msg);
+}
+
+// ---- the decision ----------------------------------------------------------------------------------
+const char* backend_name(Backend b) {
+  return b == Backend::PyTorch ? "PyTorch's SDPA" : kBackends[int(b)].name;
+}
+
+Decision decide(const Call& c, Entry entry, bool routing_on) {
+  Decision d;
+  if (entry == Entry::AtenFlashCpu) {  // PyTorch validated the call and chose this op
+    decide_aten_flash_cpu(c, &d);
+    return d;
+  }
+  d.invalid = invalid_argument(c);
+  if (!d.invalid.empty()) {
+    d.via = "PyTorch's SDPA, which reports the error";
+    return d;
+  }
+  for (int b = 0; b < 2; ++b) {
+    d.reasons[b] = not_supported(kBackends[b], c);
+    if (d.target == Backend::PyTorch &&
+        (kBackends[b].devices & device_bit(c.q.device().type())))
+      d.target = Backend(b);
+  }
+  const auto first_taker = [&]() -> Backend {
+    for (int b = 0; b < 2; ++b)
+      if (d.reasons[b].empty()) return Backend(b);
+    return Backend::PyTorch;
+  };
+  if (entry == Entry::Direct) {
+    d.backend = first_taker();
+    d.declined = d.backend == Backend::PyTorch;
+    d.via = d.backend == Backend::CpuKernel ? "flashsdpa::flash_attn_fwd"
+            : d.backend == Backend::Triton  ? "flashsdpa::triton_attn_fwd"
+                                            : kDeclines;
+    return d;
+  }
+  // Entry::AtenSdpa: what F.scaled_dot_product_attention does with the call.
+  auto& ctx = at::globalContext();
+  const int dev = int(c.q.device().type());
+  if (!routing_on) {
+    d.via = "PyTorch's SDPA: flashsdpa is not enabled (flashsdpa.enable() routes it)";
+  } else if (dev == g_overrideable_device.load()) {
+    if (!ctx.userEnabledFlashSDP() && !ctx.userEnabledOverrideableSDP()) {
+      d.via = "PyTorch's SDPA: sdpa_kernel() excludes FLASH_ATTENTION and OVERRIDEABLE, so "
+              "flashsdpa stays out";
+    } else if (d.reasons[int(Backend::Triton)].empty()) {
+      d.backend = Backend::Triton;
+      d.via = "aten::_scaled_dot_product_fused_attention_overrideable, where enable() "
+              "registered the Triton kernels";
+    } else {
+      d.via = kDeclines;
+      d.declined = true;
+    }
+  } else if (dev != int(c10::DeviceType::CPU)) {
+    d.via = std::string("PyTorch's SDPA: enable() routes CPU tensors") +
+            (g_overrideable_device.load() >= 0 ? " and the Triton device type" : "");
+  } else if (!ctx.userEnabledFlashSDP()) {
+    d.via = "PyTorch's SDPA: sdpa_kernel() excludes FLASH_ATTENTION, so flashsdpa stays out";
+  } else if (!tracing(c.q) && c.q.dim() == 4 && c.k.dim() == 4 && c.v.dim() == 4 &&
+             at::_fused_sdp_choice(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale,
+                                   c.enable_gqa) == int64_t(at::SDPBackend::flash_attention)) {
+    // Eager: what PyTorch sends to its fused kernel reaches flashsdpa's through the overridden
+    // aten op, under PyTorch's own checks and (C++) autograd formula.
+    const Decision flash = decide(c, Entry::AtenFlashCpu);
+    d.backend = flash.backend;
+    d.via = flash.via;
+    d.reasons[0] = flash.reasons[0];  // the override notes its own fallback
+  } else if (d.reasons[int(Backend::CpuKernel)].empty()) {
+    // What PyTorch would run on its math path (or, traced, any call the kernel takes: the graph
+    // holds flashsdpa's own op)
+    d.backend = Backend::CpuKernel;
+    d.via = "flashsdpa::flash_attn_fwd";
+  } else {
+    d.via = kDeclines;
+    d.declined = true;
+  }
+  return d;
+}
+
+std::string pytorch_kernel(const Call& c) {
+  const bool cpu = c.q.device().is_cpu();
+  int64_t choice = int64_t(at::SDPBackend::math);
   try {
-    check_sdpa_args(q, k, v, mask, dropout_p, c10::nullopt, enable_gqa);
-    return true;
-  } catch (const c10::Error&) {
-    return false;
+    choice = at::_fused_sdp_choice(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale,
+                                   c.enable_gqa);
+  } catch (const c10::Error&) {  // the chooser rejects some inputs its math path accepts
+  }
+  switch (at::SDPBackend(choice)) {
+    case at::SDPBackend::flash_attention:
+      return cpu ? "aten::_scaled_dot_product_flash_attention_for_cpu"
+                 : "aten::_scaled_dot_product_flash_attention";
+    case at::SDPBackend::efficient_attention:
+      return "aten::_scaled_dot_product_efficient_attention";
+    case at::SDPBackend::cudnn_attention:
+      return "aten::_scaled_dot_product_cudnn_attention";
+    case at::SDPBackend::overrideable:
+      return "aten::_scaled_dot_product_fused_attention_overrideable";
+    default:
+      return "aten::_scaled_dot_product_attention_math";
   }
 }
 
-namespace {
-std::vector<std::string> decline_reasons_impl(const at::Tensor& q, const at::Tensor& k,
-                                              const at::Tensor& v,
-                                              const c10::optional<at::Tensor>& mask,
-                                              double dropout_p, bool cpu_only) {
-  std::vector<std::string> r;
-  if (cpu_only && (!q.device().is_cpu() || !k.device().is_cpu() || !v.device().is_cpu()))
-    r.push_back(std::string("tensors on ") + c10::DeviceTypeName(q.device().type(), true) +
-                ": only CPU kernels are built in");
-  if (!kernel_dtype(q.scalar_type()))
-    r.push_back("dtype " + torch_dtype_name(q.scalar_type()) +
-                ": kernels take float32, bfloat16, float16");
-  if (q.is_nested() || k.is_nested() || v.is_nested()) r.push_back("nested tensors");
-  if (!(q.dim() == k.dim() && k.dim() == v.dim() && (q.dim() == 3 || q.dim() == 4))) {
-    r.push_back("ranks query " + std::to_string(q.dim()) + "-D, key " + std::to_string(k.dim()) +
-                "-D, value " + std::to_string(v.dim()) +
-                "-D: kernels take 3-D or 4-D query/key/value of the same rank");
-  } else if (q.dim() == 3 &&
-             (holds(k.sym_size(0) != q.sym_size(0)) || holds(v.sym_size(0) != q.sym_size(0)))) {
-    r.push_back("3-D inputs with a broadcast batch");
+Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const c10::optional<at::Tensor>& mask) {
+  Shaped s{q, k, v, mask, false};
+  if (q.dim() == 3) {
+    s.q = q.unsqueeze(1), s.k = k.unsqueeze(1), s.v = v.unsqueeze(1), s.squeeze = true;
+    if (mask.has_value() && mask->defined() && mask->dim() == 3) s.mask = mask->unsqueeze(1);
+    return s;
   }
-  if (holds(q.sym_size(-1) == 0) || holds(v.sym_size(-1) == 0)) r.push_back("head_dim 0");
-  if (dropout_p >= 1.0) r.push_back("dropout_p == 1 (the output is all zeros)");
-  if (mask.has_value() && mask->defined() && mask->requires_grad() &&
-      at::GradMode::is_enabled())
-    r.push_back("attn_mask requires grad: flashsdpa computes no mask gradient");
-  return r;
-}
-}  // namespace
-
-std::vector<std::string> decline_reasons(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v,
-                                         const c10::optional<at::Tensor>& mask,
-                                         double dropout_p, bool enable_gqa) {
-  (void)enable_gqa;
-  return decline_reasons_impl(q, k, v, mask, dropout_p, /*cpu_only=*/true);
+  const c10::SymInt B = q.sym_size(0);
+  const c10::SymInt keep = -1;
+  if (holds(k.sym_size(0) != B)) s.k = k.expand_symint({B, keep, keep, keep});
+  if (holds(v.sym_size(0) != B)) s.v = v.expand_symint({B, keep, keep, keep});
+  return s;
 }
 
-std::string decline_reason(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const c10::optional<at::Tensor>& mask, double dropout_p,
-                           bool enable_gqa) {
-  auto r = decline_reasons(q, k, v, mask, dropout_p, enable_gqa);
-  return r.empty() ? std::string() : r.front();
-}
-
+// ---- the direct API --------------------------------------------------------------------------------
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                 c10::optional<double> scale, bool enable_gqa) {
-  check_sdpa_args(q, k, v, mask, dropout_p, scale, enable_gqa);
-  const std::string reason = decline_reason(q, k, v, mask, dropout_p, enable_gqa);
-  if (!reason.empty()) {
-    note_fallback(reason);
-    return pytorch_sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa);
-  }
-  return run_ours(q, k, v, mask, dropout_p, is_causal, scale);
+  const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+  const Decision d = decide(c, Entry::Direct);
+  TORCH_CHECK_VALUE(d.invalid.empty(), d.invalid);
+  if (d.backend == Backend::CpuKernel) return run_cpu_kernel(c);
+  // The Triton kernels are launched from Python (flashsdpa/_api.py sends GPU tensors there
+  // before this op); here only PyTorch remains.
+  note_fallback(d);
+  return run_pytorch(c);
 }
 
+// ---- the switch ------------------------------------------------------------------------------------
 void set_fallback_sink(FallbackSink sink) { g_sink = sink; }
 
 void reset_fallback_notes() {
@@ -382,6 +489,8 @@ void set_overrideable_route(const std::string& device) {
   g_overrideable_device.store(
       device.empty() ? -1 : static_cast<int>(c10::Device(device).type()));
 }
+
+void set_triton_available(bool available) { g_triton_available.store(available); }
 
 void routing_disable() {
   std::lock_guard<std::mutex> lock(g_enable_mutex);

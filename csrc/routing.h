@@ -1,5 +1,7 @@
-// The SDPA routing decision shared by the direct API, the F.scaled_dot_product_attention
-// overrides that flashsdpa.enable() installs, and explain().
+// The routing decision: for a scaled_dot_product_attention call, which backend runs it. One
+// function, decide(), serves every entry: the direct API (flashsdpa::sdpa, and for GPU tensors
+// flashsdpa/_api.py), the aten overrides that flashsdpa.enable() installs (csrc/routing.cpp),
+// the XPU route to the Triton kernels, and explain(), which only prints what it returns.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -8,24 +10,75 @@
 
 namespace flashsdpa {
 
-// Raises (ValueError, naming the argument) for input no SDPA implementation accepts; accepts
-// everything F.scaled_dot_product_attention accepts.
-void check_sdpa_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, double dropout_p,
-                     c10::optional<double> scale, bool enable_gqa);
-bool valid_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                const c10::optional<at::Tensor>& mask, double dropout_p, bool enable_gqa);
+// The arguments of one call, as F.scaled_dot_product_attention takes them.
+struct Call {
+  const at::Tensor& q;
+  const at::Tensor& k;
+  const at::Tensor& v;
+  const c10::optional<at::Tensor>& mask;
+  double dropout_p;
+  bool is_causal;
+  c10::optional<double> scale;
+  bool enable_gqa;
+};
 
-// Why flashsdpa's CPU kernel cannot take a valid call (empty: it can).
-std::vector<std::string> decline_reasons(const at::Tensor& q, const at::Tensor& k,
-                                         const at::Tensor& v,
-                                         const c10::optional<at::Tensor>& mask,
-                                         double dropout_p, bool enable_gqa);
-std::string decline_reason(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const c10::optional<at::Tensor>& mask, double dropout_p,
-                           bool enable_gqa);
+// Where a call comes in.
+enum class Entry {
+  Direct,        // flashsdpa.scaled_dot_product_attention
+  AtenSdpa,      // F.scaled_dot_product_attention under enable() (the CIA override)
+  AtenFlashCpu,  // aten::_scaled_dot_product_flash_attention_for_cpu under enable()
+};
 
-// flashsdpa::sdpa: the direct API. flashsdpa's kernel where it can, PyTorch's SDPA otherwise.
+// Who runs it. The flashsdpa backends declare their limits as data (routing.cpp, kBackends).
+enum class Backend { CpuKernel = 0, Triton = 1, PyTorch = 2 };
+
+struct Decision {
+  Backend backend = Backend::PyTorch;
+  // Not empty: no SDPA implementation accepts the arguments (the direct API raises ValueError
+  // with this message; PyTorch reports its own error on the other entries).
+  std::string invalid;
+  // Why each flashsdpa backend cannot take the call (empty: it can), in kBackends' order.
+  std::vector<std::string> reasons[2];
+  // The flashsdpa backend for the call's device type (PyTorch: none), whose reasons explain a
+  // fallback.
+  Backend target = Backend::PyTorch;
+  // flashsdpa could have taken the call on this entry but a backend limit sent it to PyTorch
+  // (the case the fallback log reports).
+  bool declined = false;
+  // The path the call takes to the backend: the op called ("flashsdpa::flash_attn_fwd"), or how
+  // PyTorch gets it ("PyTorch's SDPA: ...") with the reason flashsdpa stays out.
+  std::string via;
+};
+
+// The decision for `entry`. AtenSdpa: `routing_on` says whether enable() is in effect (explain()
+// asks for the state; the override itself passes true).
+Decision decide(const Call& c, Entry entry, bool routing_on = true);
+
+// The name of each backend (kBackends), for explain().
+const char* backend_name(Backend b);
+
+// Raises ValueError naming the argument for input no SDPA implementation accepts; accepts
+// everything F.scaled_dot_product_attention accepts. The single user-facing validation.
+void check_sdpa_args(const Call& c);
+// The same rules, as a message ("" when valid).
+std::string invalid_argument(const Call& c);
+
+// 3-D (N, L, E) inputs as (N, 1, L, E) (a 3-D mask likewise), a 4-D key/value batch of 1
+// broadcast to the query's (stride 0). The C++ home of this reshaping; the Triton path, which
+// torch.compile traces in Python, has its twin in flashsdpa/_triton.py (to_4d).
+struct Shaped {
+  at::Tensor q, k, v;
+  c10::optional<at::Tensor> mask;
+  bool squeeze;  // the inputs were 3-D: squeeze dim 1 of the output
+};
+Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+             const c10::optional<at::Tensor>& mask);
+
+// PyTorch's own choice for a valid call: its aten op name ("aten::_scaled_dot_product_..."),
+// the profiler event it records.
+std::string pytorch_kernel(const Call& c);
+
+// flashsdpa::sdpa: the direct API on CPU tensors (and, for other devices, PyTorch's SDPA).
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                 c10::optional<double> scale, bool enable_gqa);
@@ -33,10 +86,13 @@ at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Install / remove the aten overrides. Idempotent and thread-safe.
 void routing_enable();
 void routing_disable();
+bool routing_enabled();
 // Send SDPA calls on this device type ("xpu"; "" for none) to
 // aten::_scaled_dot_product_fused_attention_overrideable while routing is enabled.
 void set_overrideable_route(const std::string& device);
-bool routing_enabled();
+// Whether the Triton kernels can be launched in this process (Triton is installed); set by
+// flashsdpa at import, read by the Triton backend's limits.
+void set_triton_available(bool available);
 
 // Called once per distinct fallback reason (the Python side logs it at DEBUG).
 using FallbackSink = void (*)(const std::string& reason);

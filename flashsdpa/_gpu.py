@@ -17,20 +17,11 @@ import warnings
 import torch
 
 from . import _C, _triton
-from ._triton import _to_4d
+from ._common import decide, log_fallback
+from ._triton import as_4d
 
-GPU_DEVICE_TYPES = ("xpu", "cuda")
-
-
-def _prepare(query, key, value, attn_bias):
-    """4-D views (3-D inputs get a batch of 1), key/value batch broadcast, heads checked."""
-    q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
-    if q.shape[1] % max(k.shape[1], 1) != 0:
-        raise ValueError(f"flashsdpa: query heads ({q.shape[1]}) must be a multiple of key/value "
-                         f"heads ({k.shape[1]})")
-    if k.shape[0] != q.shape[0]:
-        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
-    return q, k, v, attn_bias
+# The Triton backend's limits include "Triton is installed" (csrc/routing.cpp reads this flag).
+_C.set_triton_available(_triton.available())
 
 
 def _rng_tensors(rng):
@@ -41,11 +32,10 @@ def fused_attention_overrideable(query, key, value, attn_bias=None, dropout_p=0.
                                  is_causal=False, return_debug_mask=False, *, scale=None):
     """aten::_scaled_dot_product_fused_attention_overrideable on the Triton kernels.
     The debug attention mask is never materialised (O(L) memory): returned undefined."""
-    q, k, v, bias = _prepare(query, key, value, attn_bias)
+    q, k, v, bias = _triton.to_4d(query, key, value, attn_bias)
     rng = _triton.new_rng_state() if dropout_p > 0 else (0, 0)
     out = _triton.alloc_like_query(query, tuple(query.shape[:-1]) + (value.shape[-1],))
-    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng,
-                             out=_to_4d(out))
+    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng, out=as_4d(out))
     seed, offset = _rng_tensors(rng)
     return (out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None)
 
@@ -81,15 +71,15 @@ def flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_se
 
 def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p, is_causal,
               philox_seed, philox_offset, scale):
-    q, k, v, bias = _prepare(query, key, value, attn_bias)
+    q, k, v, bias = _triton.to_4d(query, key, value, attn_bias)
     rng = (int(philox_seed), int(philox_offset)) if dropout_p > 0 else (0, 0)
-    lse = logsumexp if logsumexp.dim() == 3 else logsumexp.reshape(q.shape[:3])
-    dq, dk, dv = _triton.backward(_to_4d(grad_out), q, k, v, _to_4d(out), lse, bias,
+    lse = logsumexp.reshape(q.shape[:3])
+    dq, dk, dv = _triton.backward(as_4d(grad_out), q, k, v, as_4d(out), lse, bias,
                                   dropout_p, is_causal, scale, rng)
     if k.shape[0] != key.shape[0] and key.dim() == 4:  # broadcast key/value batch
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     if query.dim() == 3:
-        dq, dk, dv = dq[0], dk[0], dv[0]
+        dq, dk, dv = dq.squeeze(1), dk.squeeze(1), dv.squeeze(1)
     return (_like(dq, query), _like(dk, key), _like(dv, value))
 
 
@@ -151,27 +141,16 @@ def is_registered():
 
 
 # ---- the direct API on GPU tensors -------------------------------------------------------------------
-def decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa):
-    """Why the Triton path cannot take a (validated) call; [] when it can."""
-    reasons = [r for r in _C.decline_reasons(query, key, value, attn_mask, float(dropout_p),
-                                             bool(enable_gqa))
-               if not r.startswith("tensors on ") and not r.startswith("dtype ")]
-    reason = _triton.decline_reason(query, key, value, attn_mask, dropout_p)
-    return reasons + ([reason] if reason else [])
-
-
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
          enable_gqa=False):
-    """The direct API for tensors on a Triton device (validated, or passed to PyTorch with the
-    reason logged)."""
-    _C.check_sdpa_args(query, key, value, attn_mask, float(dropout_p),
-                       None if scale is None else float(scale), bool(enable_gqa))
-    reasons = decline_reasons(query, key, value, attn_mask, dropout_p, enable_gqa)
-    if reasons:
-        from ._routing import _log_fallback
-        _log_fallback(reasons[0])
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-            scale=scale, enable_gqa=enable_gqa)
-    return _triton.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
-                                                is_causal, scale, enable_gqa)
+    """The direct API for tensors on a Triton device: the routing decision's backend."""
+    d = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "direct")
+    if d["invalid"]:
+        raise ValueError(d["invalid"])
+    if d["backend"] == "triton":
+        return _triton.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                    is_causal, scale, enable_gqa)
+    log_fallback(d["reasons"]["triton"][0] if d["reasons"]["triton"] else d["via"])
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+        scale=scale, enable_gqa=enable_gqa)

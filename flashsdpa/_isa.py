@@ -5,9 +5,9 @@ import os
 import torch
 
 from . import _C
+from ._common import DTYPE_NAMES
 
 ENV_VAR = "FLASHSDPA_CPU_ISA"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def configure_from_env():
@@ -20,10 +20,10 @@ def configure_from_env():
 def cpu_isa(dtype=torch.float32):
     """The CPU tier flashsdpa runs for `dtype`: the best tier that is built, that this CPU and OS
     support, that implements the dtype, and that FLASHSDPA_CPU_ISA allows."""
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"flashsdpa.cpu_isa: dtype must be one of {list(_DTYPE_NAMES)}, "
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"flashsdpa.cpu_isa: dtype must be one of {list(DTYPE_NAMES)}, "
                          f"got {dtype}")
-    return _C.selected_isa(_DTYPE_NAMES[dtype])
+    return _C.selected_isa(DTYPE_NAMES[dtype])
 
 
 @contextlib.contextmanager

@@ -19,21 +19,11 @@ caches never hand a graph traced in one state to the other. Functions already co
 process keep the graph they were traced with: call torch._dynamo.reset() after toggling.
 """
 import contextlib
-import logging
 import threading
 
 from . import _C, _gpu
 
-logger = logging.getLogger("flashsdpa")
 _lock = threading.RLock()
-
-
-def _log_fallback(reason):
-    logger.debug("flashsdpa fallback to PyTorch: %s", reason)
-
-
-_C.set_fallback_logger(_log_fallback)
-
 
 _CACHE_TAG = "flashsdpa-routing"
 

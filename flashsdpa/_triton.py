@@ -12,18 +12,13 @@ fp32 -> bf16 cast truncates).
 """
 import importlib.util
 import math
-import os
 import threading
 
 import torch
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+from .kernels.configs import interpreting  # (configs imports no Triton)
+
 LOG2E = 1.4426950408889634
-
-
-def interpreting():
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available():
@@ -32,21 +27,6 @@ def available():
         return importlib.util.find_spec("triton") is not None
     except (ImportError, ValueError):  # e.g. sys.modules["triton"] = None (import blocked)
         return False
-
-
-def decline_reason(query, key, value, attn_mask, dropout_p):
-    """Why the Triton kernels cannot take a (validated) call; None when they can."""
-    if not available():
-        return "Triton is not installed"
-    if query.dtype not in DTYPES:
-        return f"dtype {query.dtype} (the Triton kernels take float16, bfloat16, float32)"
-    if query.shape[-1] > MAX_HEAD_DIM or value.shape[-1] > MAX_HEAD_DIM:
-        return f"head dim above {MAX_HEAD_DIM}"
-    if dropout_p >= 1.0:
-        return "dropout_p == 1"
-    if attn_mask is not None and attn_mask.requires_grad:
-        return "attn_mask requires grad (the kernels do not differentiate the mask)"
-    return None
 
 
 # ---- launch helpers -----------------------------------------------------------------------------
@@ -112,8 +92,25 @@ def _for_descriptor(t):
     return view
 
 
-def _to_4d(t):
-    return t if t is None or t.dim() == 4 else t.unsqueeze(0)
+def to_4d(query, key, value, attn_mask=None):
+    """3-D (N, L, E) inputs as (N, 1, L, E) (a 3-D mask likewise), a 4-D key/value batch of 1
+    broadcast to the query's: the C++ side's to_4d (csrc/routing.h), in Python so that
+    torch.compile traces it on the Triton path."""
+    if query.dim() == 3:
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(1)
+        return query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1), attn_mask
+    b = query.shape[0]
+    if key.shape[0] != b:
+        key = key.expand(b, -1, -1, -1)
+    if value.shape[0] != b:
+        value = value.expand(b, -1, -1, -1)
+    return query, key, value, attn_mask
+
+
+def as_4d(t):
+    """An output-shaped tensor of a 3-D call, viewed as to_4d views the inputs."""
+    return t if t is None or t.dim() == 4 else t.unsqueeze(1)
 
 
 def _mask_4d(attn_mask, b, hq, lq, lk):
@@ -337,10 +334,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  is_causal=False, scale=None, enable_gqa=False):
     """SDPA on the Triton kernels (validated arguments; 3-D or 4-D). Differentiable in query, key,
     value."""
-    three_d = query.dim() == 3
-    q, k, v = _to_4d(query), _to_4d(key), _to_4d(value)
-    if k.shape[0] != q.shape[0]:  # broadcast key/value batch: autograd sums the gradient
-        k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
-    out = _fwd_op(q, k, v, attn_mask, float(dropout_p), bool(is_causal),
+    # a broadcast key/value batch is expanded: autograd sums its gradient
+    q, k, v, mask = to_4d(query, key, value, attn_mask)
+    out = _fwd_op(q, k, v, mask, float(dropout_p), bool(is_causal),
                   None if scale is None else float(scale))[0]
-    return out.squeeze(0) if three_d else out
+    return out.squeeze(1) if query.dim() == 3 else out

@@ -171,3 +171,33 @@ def test_direct_api_matches_reference_smoke():
     q, k, v = make_qkv(1, 2, 2, 10, 12, 8)
     torch.testing.assert_close(flashsdpa.scaled_dot_product_attention(q, k, v),
                                reference_sdpa(q, k, v).float(), atol=1e-5, rtol=1e-5)
+
+
+def test_package_has_no_import_cycle():
+    """flashsdpa's modules import each other without a cycle (each helper has one home)."""
+    import ast
+    import pathlib
+    pkg = pathlib.Path(flashsdpa.__file__).parent
+    graph = {}
+    for path in pkg.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    deps.add(node.module.split(".")[0])
+                else:
+                    deps.update(a.name for a in node.names)
+        graph[path.stem] = {d for d in deps if (pkg / f"{d}.py").exists()}
+    state = {}
+
+    def visit(m, stack):
+        assert state.get(m) != "open", f"import cycle: {' -> '.join(stack + [m])}"
+        if state.get(m) == "done":
+            return
+        state[m] = "open"
+        for d in graph[m]:
+            visit(d, stack + [m])
+        state[m] = "done"
+
+    for m in graph:
+        visit(m, [])

@@ -39,6 +39,7 @@ DEVICE = "cpu" if INTERPRETER else GPU
 
 import flashsdpa  # noqa: E402
 from flashsdpa import _C, _gpu as gpu, _triton  # noqa: E402
+from flashsdpa._common import decide  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -246,10 +247,12 @@ def test_gpu_path_validates_and_declines():
         gpu.sdpa(torch.randn(1, 4, 8, 16), torch.randn(1, 3, 8, 16), torch.randn(1, 3, 8, 16))
     with pytest.raises(ValueError, match="attn_mask"):
         gpu.sdpa(q, k, v, attn_mask=torch.ones(3, 8, 8, dtype=torch.bool))
-    assert "float64" in " ".join(gpu.decline_reasons(q.double(), k.double(), v.double(), None,
-                                                     0.0, False))
+    def triton_reasons(q, k, v):
+        return decide(q, k, v, None, 0.0, False, None, False, "direct")["reasons"]["triton"]
+
+    assert "float64" in " ".join(triton_reasons(q.double(), k.double(), v.double()))
     big = torch.randn(1, 1, 4, 300)
-    assert any("head dim" in r for r in gpu.decline_reasons(big, big, big, None, 0.0, False))
+    assert any("head dim" in r for r in triton_reasons(big, big, big))
     # declined calls still give PyTorch's answer
     out = gpu.sdpa(q.double(), k.double(), v.double())
     assert torch.allclose(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
@@ -520,15 +523,16 @@ def test_everything_cpu_works_without_triton():
     code = "\n".join([
         "import sys; sys.modules['triton'] = None",
         "import torch, flashsdpa",
-        "from flashsdpa import _gpu",
+        "from flashsdpa import _gpu, _common",
         "flashsdpa.enable()",
         "q = torch.randn(1, 2, 16, 16, requires_grad=True)",
         "torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1).sum().backward()",
-        "print(_gpu.is_registered(), _gpu.decline_reasons(q, q, q, None, 0.0, False))",
+        "reasons = _common.decide(q, q, q, None, 0.0, False, None, False, 'direct')['reasons']",
+        "print(_gpu.is_registered(), 'Triton is not installed' in reasons['triton'])",
         "flashsdpa.explain(q, q, q)",
         "flashsdpa.disable()",
     ])
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "False ['Triton is not installed']", res.stdout
+    assert res.stdout.strip() == "False True", res.stdout

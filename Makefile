@@ -60,6 +60,13 @@ bench-all: build
 	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json \
 	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)
 
+# A/B of the working tree against git revision BASE, both builds in one process, interleaved
+# (bench/ab.py; BASE is exported and built once into bench/.build/ab/). AB_ARGS: more options.
+.PHONY: bench-ab
+bench-ab: build
+	@test -n "$(BASE)" || { echo "usage: make bench-ab BASE=<git revision> [AB_ARGS=...]"; exit 2; }
+	$(PY) bench/ab.py --base $(BASE) $(AB_ARGS)
+
 # On a machine with AVX-512 / AMX: native tests and benchmarks per tier, in one command.
 hw-check:
 	bench/hw_check.sh

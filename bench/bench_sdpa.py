@@ -159,10 +159,12 @@ def make_step(fn, q, k, v, causal, gqa, mode):
     return step
 
 
-def time_case(steps, repeats, target_s=0.02, between=None, between_after=None):
+def time_case(steps, repeats, target_s=0.02, between=None, between_after=None, alternate=False):
     """Interleaved medians: {provider: [seconds per call, ...]}. `between` (if given) runs once
     per round of the providers: right after provider `between_after`'s sample, or at the end of
-    the round (decode mode: a read-bandwidth probe right after flashsdpa's sample)."""
+    the round (decode mode: a read-bandwidth probe right after flashsdpa's sample). `alternate`
+    rotates the order by one each round (A B, B A, ...), so that no provider always runs first
+    (bench/ab.py: an A/B of two builds, where a fixed order would bias the ratio)."""
     inner = {}
     for name, step in steps.items():  # warm-up, and calls per sample so a sample is ~target_s
         t0 = time.perf_counter()
@@ -170,9 +172,11 @@ def time_case(steps, repeats, target_s=0.02, between=None, between_after=None):
         dt = time.perf_counter() - t0
         inner[name] = max(1, min(1000, int(target_s / max(dt, 1e-7))))
     samples = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            n = inner[name]
+    names = list(steps)
+    for r in range(repeats):
+        shift = r % len(names) if alternate else 0
+        for name in names[shift:] + names[:shift]:
+            step, n = steps[name], inner[name]
             t0 = time.perf_counter()
             for _ in range(n):
                 step()
@@ -211,6 +215,20 @@ def parse_dtypes(spec):
         if d not in DTYPES:
             raise ValueError(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
     return [DTYPES[d] for d in names]
+
+
+def make_inputs(B, Hq, Hkv, L, D, dtype, mode, device="cpu"):
+    """q, k, v of one case, the same for every seed-0 run: q_len 1 in decode mode (L is then the
+    KV length), and requiring grad in train mode."""
+    Lq = 1 if mode == "decode" else L
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, Lq, D, generator=g).to(device=device, dtype=dtype)
+    k = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
+    if mode == "train":
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
 
 
 def run(args):
@@ -253,15 +271,8 @@ def run(args):
     for (B, Hq, Hkv, L, D) in shapes:
         for dtype in dtypes:
             for causal in causal_opts:
-                Lq = 1 if args.mode == "decode" else L
-                g = torch.Generator().manual_seed(0)
-                q = torch.randn(B, Hq, Lq, D, generator=g).to(device=device, dtype=dtype)
-                k = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
-                v = torch.randn(B, Hkv, L, D, generator=g).to(device=device, dtype=dtype)
-                if args.mode == "train":
-                    for t in (q, k, v):
-                        t.requires_grad_(True)
-                gqa = Hq != Hkv
+                q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, args.mode, device)
+                Lq, gqa = q.shape[2], Hq != Hkv
                 steps = {p: make_step(provider(p), q, k, v, causal, gqa, args.mode)
                          for p in providers}
                 # memory bandwidth on this shared machine flips between about 31 and 48 GB/s

@@ -149,6 +149,30 @@ inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32
   w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
 }
 
+// The row operations' vector type (row_ops.h) on ymm.
+struct VecY8 {
+  using reg = __m256;
+  static constexpr int W = 8, kSums = 1;  // a second sum costs registers the exp pass needs
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static reg splat(float x) { return _mm256_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static reg exp2(reg x) { return exp2_8(x); }
+  static float hsum(reg v) { return hsum8(v); }
+  static float hmax(reg v) { return hmax8(v); }
+  static reg first_n(reg x, int n, float fill) {
+    return _mm256_blendv_ps(x, splat(fill), lanes_at_or_after(0, n));
+  }
+  template <class T> static reg load_t(const T* p) { return load8(p); }
+  template <class T> static reg load_n(const T* p, int n) { return load8_partial(p, n); }
+  template <class T> static void store_t(T* p, reg v) { store8(p, v); }
+  template <class T> static void store_n(T* p, reg v, int n) { store8_partial(p, v, n); }
+};
+
 struct Avx2Ops : GenericOps {
   static constexpr int NR = 16;  // panel width: 2 ymm
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
@@ -157,18 +181,11 @@ struct Avx2Ops : GenericOps {
   FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
                        /*transposed_s=*/false)
 
+  using Row = RowOps<VecY8>;
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
                         float mul) {
-    const __m256 mv = _mm256_set1_ps(mul);
-    for (int i = 0; i < rows; ++i) {
-      const T* s = src + i * ld;
-      float* d = dst + int64_t(i) * ldd;
-      int c = 0;
-      for (; c + 8 <= cols; c += 8) store8(d + c, _mm256_mul_ps(load8(s + c), mv));
-      if (c < cols)
-        store8_partial(d + c, _mm256_mul_ps(load8_partial(s + c, cols - c), mv), cols - c);
-    }
+    Row::load_rows(src, ld, rows, cols, dst, ldd, mul);
   }
 
   // B[kk][n] = src[kk*ld + n]; panels of 16 columns, zero beyond N.
@@ -272,7 +289,7 @@ struct Avx2Ops : GenericOps {
 
   // The fused exponentials of a stored R x 16 tile (still in L1): out of line, so that the
   // polynomial's constants do not take registers from the accumulators of the FMA loop (16 ymm
-  // registers: computing them from the accumulators in place spilled, 25-30% slower).
+  // registers: computing them from the accumulators in place spills them).
   static __attribute__((noinline)) void exp_tile(float* c, int ldc, int R, const float* mref,
                                                  float* sumv) {
     for (int i = 0; i < R; ++i) {
@@ -299,47 +316,7 @@ struct Avx2Ops : GenericOps {
     gemm_exp_loop<Avx2Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
   }
 
-  // s += madd for j < valid, -inf from valid on. Works on whole vectors: the row buffer is
-  // padded to a multiple of NR; lanes at or after `valid` become -inf (whatever madd holds there).
-  // Without a mask and a causal cut it only reads the row.
-  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
-    if (mul != 1.0f) scale_row(s, valid, mul);
-    const __m256 ninf = _mm256_set1_ps(kNegInf);
-    __m256 mx = ninf;
-    int j = 0;
-    if (madd) {
-      for (; j + 8 <= valid; j += 8) {
-        const __m256 x = _mm256_add_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(madd + j));
-        _mm256_storeu_ps(s + j, x);
-        mx = _mm256_max_ps(mx, x);
-      }
-    } else {
-      mx = max_chains<8>(s, j, valid, mx, [](const float* x) { return _mm256_loadu_ps(x); },
-                         [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); });
-    }
-    if (j < valid) {  // the vector holding column `valid`
-      __m256 x = _mm256_loadu_ps(s + j);
-      if (madd) x = _mm256_add_ps(x, _mm256_loadu_ps(madd + j));
-      x = _mm256_blendv_ps(x, ninf, lanes_at_or_after(j, valid));
-      _mm256_storeu_ps(s + j, x);
-      mx = _mm256_max_ps(mx, x);
-      j += 8;
-    }
-    for (; j < n; j += 8) _mm256_storeu_ps(s + j, ninf);
-    return hmax8(mx);
-  }
 
-  // p = exp2(s - m) over whole vectors covering n columns (padding lanes hold -inf -> 0).
-  static float exp2_row_sum(float* s, int n, float m) {
-    const __m256 mv = _mm256_set1_ps(m);
-    __m256 sum = _mm256_setzero_ps();
-    for (int j = 0; j < n; j += 8) {
-      const __m256 e = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-      _mm256_storeu_ps(s + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    return hsum8(sum);
-  }
 
   // ---- short-query (decode) kernels ---------------------------------------------------------
   // s[r][j] = q_r . k_j for four keys x R query rows per pass: 4R accumulators, each key chunk
@@ -391,10 +368,8 @@ struct Avx2Ops : GenericOps {
   // rows are prefetched one line per pv_prefetch_bytes(R) of each row. One or two query rows
   // (MHA decode) are light compute per byte: every fourth line is enough, as the hardware
   // streamer follows the software prefetches and fetches the lines between, and the fewer
-  // prefetch instructions let the loads run further ahead. Interleaved A/B against every line,
-  // decode suite, 2 threads: MHA fp32 +2-7%, bf16 +0-7%; in this host's 45-50 GB/s bandwidth
-  // bursts fp32 (1,32,16384,128) read 0.84-0.88 of the paired read probe instead of 0.77-0.83.
-  // More rows (GQA folded, q_len > 2) measured 7-15% slower that way: every line for those.
+  // prefetch instructions let the loads run further ahead. More rows (GQA folded, q_len > 2)
+  // keep every line (sparser prefetches were slower there).
   static constexpr int pv_prefetch_bytes(int rows) { return rows <= 2 ? 256 : 64; }
   template <class T>
   static inline void prefetch_rows(const T* row, int64_t ld, int n, int D) {
@@ -561,38 +536,9 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  static void ds_row(const float* pr, float* ds, int n, float delta) {
-    const __m256 dv = _mm256_set1_ps(delta);
-    int j = 0;
-    for (; j + 8 <= n; j += 8)
-      _mm256_storeu_ps(ds + j, _mm256_mul_ps(_mm256_loadu_ps(pr + j),
-                                             _mm256_sub_ps(_mm256_loadu_ps(ds + j), dv)));
-    for (; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta);
-  }
 
-  static void scale_row(float* x, int n, float a) {
-    const __m256 av = _mm256_set1_ps(a);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), av));
-    for (; j < n; ++j) x[j] *= a;
-  }
 
-  template <class T>
-  static void store_row(const float* src, int n, float mul, T* dst) {
-    const __m256 mv = _mm256_set1_ps(mul);
-    int j = 0;
-    for (; j + 8 <= n; j += 8) store8(dst + j, _mm256_mul_ps(_mm256_loadu_ps(src + j), mv));
-    if (j < n) store8_partial(dst + j, _mm256_mul_ps(load8_partial(src + j, n - j), mv), n - j);
-  }
 
-  template <class T>
-  static float dot_row(const T* a, const T* b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(load8(a + j), load8(b + j), acc);
-    if (j < n) acc = _mm256_fmadd_ps(load8_partial(a + j, n - j), load8_partial(b + j, n - j), acc);
-    return hsum8(acc);
-  }
 };
 
 }  // namespace FLASHSDPA_TIER_NS

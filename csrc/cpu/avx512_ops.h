@@ -75,11 +75,58 @@ inline __m512 exp2_16(__m512 x) {
     _mm512_storeu_ps(cr + 16, c##i##1);                               \
   }
 
+// The row operations' vector type (row_ops.h) on zmm.
+struct VecZ16 {
+  using reg = __m512;
+  static constexpr int W = 16, kSums = 2;
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static reg splat(float x) { return _mm512_set1_ps(x); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static reg exp2(reg x) { return exp2_16(x); }
+  static float hsum(reg v) { return _mm512_reduce_add_ps(v); }
+  static float hmax(reg v) { return _mm512_reduce_max_ps(v); }
+  static reg first_n(reg x, int n, float fill) {
+    return _mm512_mask_blend_ps(tail_mask16(n), splat(fill), x);
+  }
+  template <class T> static reg load_t(const T* p) { return load16(p); }
+  template <class T> static reg load_n(const T* p, int n) { return load16_partial(p, n); }
+  // 16-bit stores round through the AVX2 halves (plain AVX-512 has no bf16 rounding store)
+  static __m256 high_half(reg v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  }
+  template <class T>
+  static void store_t(T* p, reg v) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(p, v);
+    } else {
+      store8(p, _mm512_castps512_ps256(v));
+      store8(p + 8, high_half(v));
+    }
+  }
+  template <class T>
+  static void store_n(T* p, reg v, int n) {
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(p, tail_mask16(n), v);
+    } else if (n <= 8) {
+      store8_partial(p, _mm512_castps512_ps256(v), n);
+    } else {
+      store8(p, _mm512_castps512_ps256(v));
+      store8_partial(p + 8, high_half(v), n - 8);
+    }
+  }
+};
+
 struct Avx512Ops : Avx2Ops {
   static constexpr int NR = 32;  // panel width: 2 zmm
   static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
+  using Row = RowOps<VecZ16>;  // (load_rows stays Avx2Ops': ymm rows)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
                        /*transposed_s=*/true)
 
@@ -208,7 +255,7 @@ struct Avx512Ops : Avx2Ops {
   }
 
   // (The fused exponentials computed from the accumulators in place, 3 free registers here;
-  // AVX2's 16 registers do it out of line. In place measured +0.8% over out of line here.)
+  // AVX2's 16 registers do it out of line.)
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
     gemm_exp_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
@@ -272,66 +319,10 @@ struct Avx512Ops : Avx2Ops {
     gemm_exp_cols_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
   }
 
-  // As Avx2Ops::score_row, 16 lanes at a time; lanes from `valid` on become -inf.
-  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
-    if (mul != 1.0f) scale_row(s, valid, mul);
-    const __m512 ninf = _mm512_set1_ps(kNegInf);
-    __m512 mx = ninf;
-    int j = 0;
-    if (madd) {
-      for (; j + 16 <= valid; j += 16) {
-        const __m512 x = _mm512_add_ps(_mm512_loadu_ps(s + j), _mm512_loadu_ps(madd + j));
-        _mm512_storeu_ps(s + j, x);
-        mx = _mm512_max_ps(mx, x);
-      }
-    } else {
-      mx = max_chains<16>(s, j, valid, mx, [](const float* x) { return _mm512_loadu_ps(x); },
-                          [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
-    }
-    if (j < valid) {  // the vector holding column `valid`
-      const __mmask16 keep = tail_mask16(valid - j);
-      __m512 x = _mm512_loadu_ps(s + j);
-      if (madd) x = _mm512_add_ps(x, _mm512_loadu_ps(madd + j));
-      x = _mm512_mask_blend_ps(keep, ninf, x);
-      _mm512_storeu_ps(s + j, x);
-      mx = _mm512_max_ps(mx, x);
-      j += 16;
-    }
-    // -inf up to the next multiple of 8 past n (what exp2_row_sum reads), 8 lanes at a time
-    for (; j < n; j += 8) _mm256_storeu_ps(s + j, _mm512_castps512_ps256(ninf));
-    return _mm512_reduce_max_ps(mx);
-  }
 
-  // p = exp2(s - m) over vectors covering n columns (lanes past n hold -inf -> 0).
-  static float exp2_row_sum(float* s, int n, float m) {
-    const __m512 mv = _mm512_set1_ps(m);
-    __m512 sum = _mm512_setzero_ps();
-    int j = 0;
-    {  // two vectors per step, two sums (the AVX2 trait keeps one: 16 registers; measured)
-      __m512 sum1 = _mm512_setzero_ps();
-      for (; j + 32 <= n; j += 32) {
-        const __m512 e0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-        const __m512 e1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + j + 16), mv));
-        _mm512_storeu_ps(s + j, e0);
-        _mm512_storeu_ps(s + j + 16, e1);
-        sum = _mm512_add_ps(sum, e0);
-        sum1 = _mm512_add_ps(sum1, e1);
-      }
-      sum = _mm512_add_ps(sum, sum1);
-    }
-    for (; j + 16 <= n; j += 16) {
-      const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
-      _mm512_storeu_ps(s + j, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    float total = _mm512_reduce_add_ps(sum);
-    if (j < n) total += Avx2Ops::exp2_row_sum(s + j, n - j, m);
-    return total;
-  }
 
   // Decode Q K^T: 4 query rows per pass (16 ymm accumulators fit AVX-512VL's 32 registers), so
   // each chunk of 4 K rows is loaded and widened once for 4 rows instead of twice for 2 + 2.
-  // (A zmm version of qk_4keys measured no faster: -3% to +1% over the decode suite.)
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
@@ -406,12 +397,6 @@ struct Avx512Ops : Avx2Ops {
     }
   }
 
-  static void scale_row(float* x, int n, float a) {
-    const __m512 av = _mm512_set1_ps(a);
-    int j = 0;
-    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), av));
-    if (j < n) Avx2Ops::scale_row(x + j, n - j, a);
-  }
 };
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -71,7 +71,7 @@ struct FlashBackward {
     const int64_t i0 = (item % n_qb) * bl.bq;
     const int64_t i1 = min64(p.Lq, i0 + bl.bq);
     for (int64_t i = i0; i < i1; ++i)
-      *delta_ptr(p, b, h, i) = Ops::dot_row(do_row<T>(p, b, h, i), o_crow<T>(p, b, h, i), int(p.Dv));
+      *delta_ptr(p, b, h, i) = Ops::Row::dot_row(do_row<T>(p, b, h, i), o_crow<T>(p, b, h, i), int(p.Dv));
   }
 
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
@@ -105,13 +105,13 @@ struct FlashBackward {
       const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
       const int valid = ct.cols(r);
-      const float mx = Ops::score_row(srow, w, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
+      const float mx = Ops::Row::score_row(srow, w, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
                                       mt.row(mtile, r), valid);
       if (mx == kNegInf) {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
         any = true;
-        Ops::exp2_row_sum(srow, w, *lse_ptr(p, b, h, i) * kLog2e);
+        Ops::Row::exp2_row_sum(srow, w, *lse_ptr(p, b, h, i) * kLog2e);
       }
       for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);
@@ -129,7 +129,7 @@ struct FlashBackward {
       float* srow = s + int64_t(r) * L.lds;
       float* dprow = dp + int64_t(r) * L.lds;
       if (dropout) Ops::dropout_row(p, bh, i, j0, w, dprow, dprow);
-      Ops::ds_row(srow, dprow, w, *delta_ptr(p, b, h, i));
+      Ops::Row::ds_row(srow, dprow, w, *delta_ptr(p, b, h, i));
       for (int c = w; c < nk; ++c) dprow[c] = 0.0f;
     }
     return true;
@@ -192,8 +192,8 @@ struct FlashBackward {
     T* dkp = static_cast<T*>(p.dk) + b * p.dk_sb + hk * p.dk_sh;
     T* dvp = static_cast<T*>(p.dv) + b * p.dv_sb + hk * p.dv_sh;
     for (int c = 0; c < nk; ++c) {
-      Ops::store_row(dk + int64_t(c) * L.ldd, int(p.D), p.scale, dkp + (j0 + c) * p.dk_sl);
-      Ops::store_row(dv + int64_t(c) * L.lddv, int(p.Dv), 1.0f, dvp + (j0 + c) * p.dv_sl);
+      Ops::Row::store_row(dk + int64_t(c) * L.ldd, int(p.D), p.scale, dkp + (j0 + c) * p.dk_sl);
+      Ops::Row::store_row(dv + int64_t(c) * L.lddv, int(p.Dv), 1.0f, dvp + (j0 + c) * p.dv_sl);
     }
   }
 
@@ -201,7 +201,7 @@ struct FlashBackward {
                        int nq, const float* dq) {
     T* dqp = static_cast<T*>(p.dq) + b * p.dq_sb + h * p.dq_sh;
     for (int r = 0; r < nq; ++r)
-      Ops::store_row(dq + int64_t(r) * L.ldd, int(p.D), p.scale, dqp + (i0 + r) * p.dq_sl);
+      Ops::Row::store_row(dq + int64_t(r) * L.ldd, int(p.D), p.scale, dqp + (i0 + r) * p.dq_sl);
   }
 
   // ---- two-sweep strategy, phase BwdDkDv: item (b, hkv, kv-block) ------------------------------
@@ -267,7 +267,7 @@ struct FlashBackward {
   // FA2 proper: 5 gemms per tile instead of 7. Loops the kv blocks in order; dq of every query
   // head of the group accumulates in p.dq_acc (fp32, [B, Hq, Lq, ldd]) in the same kv order as
   // run_dq, so both strategies give bit-identical gradients. Needs B * Hkv items to keep every
-  // thread busy, which is why ops.cpp picks it by thread count.
+  // thread busy, which is why the plan (plan.cpp) picks it by thread count.
   static int64_t fused_items(const AttnParams& p) { return p.B * p.Hkv; }
   static int64_t dq_acc_floats(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hq * p.Lq * int64_t(layout(p, bl).ldd);

@@ -19,13 +19,10 @@ struct Blocks {
   explicit Blocks(const AttnParams& p) : bq(p.bq), bk(p.bk) {}
 };
 
-// Under a bounded Visibility a q block's work grows with its index (a kv block's shrinks). The compute
-// phases hand their items out one at a time in index order (ops.cpp, run_planned_phase), so
+// Under a bounded Visibility a q block's work grows with its index (a kv block's shrinks). The
+// compute phases hand their items out one at a time in index order (driver.cpp, run_phase), so
 // each head's blocks are numbered costliest first: the last items handed out, which set how long
 // the other threads wait at the end, are the cheapest (longest-processing-time first).
-// Interleaved A/B against the earlier 0, n-1, 1, n-2, ... order, causal fp32 forward suite: +0.5%;
-// causal fp32 forward + backward (this order and one-at-a-time items vs both the old ways):
-// within 1.7% either way per shape, geomean 1.000.
 inline int64_t costliest_q_block(int64_t t, int64_t n) { return n - 1 - t; }
 
 // ---- addressing ----------------------------------------------------------------------------------
@@ -116,17 +113,17 @@ struct MaskTile {
 template <class Ops>
 inline bool online_softmax_row(float* srow, int w, float mul, const float* madd, int valid,
                                float* m, float* l, float* acc_row, int Dv) {
-  const float mx = Ops::score_row(srow, w, mul, madd, valid);
+  const float mx = Ops::Row::score_row(srow, w, mul, madd, valid);
   const float m_new = mx > *m ? mx : *m;
   if (m_new == kNegInf) {
     for (int c = 0; c < int(round_up(w, 8)); ++c) srow[c] = 0.0f;
     return false;
   }
   const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0
-  const float rowsum = Ops::exp2_row_sum(srow, w, m_new);
+  const float rowsum = Ops::Row::exp2_row_sum(srow, w, m_new);
   *l = *l * alpha + rowsum;
   *m = m_new;
-  if (alpha != 1.0f) Ops::scale_row(acc_row, Dv, alpha);
+  if (alpha != 1.0f) Ops::Row::scale_row(acc_row, Dv, alpha);
   return true;
 }
 
@@ -137,7 +134,7 @@ inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, flo
                        const float* acc_row) {
   const bool empty = l == 0.0f;
   *lse_ptr(p, b, h, i) = empty ? 0.0f : (m + __builtin_log2f(l)) * kLn2;
-  Ops::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
+  Ops::Row::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
 }
 
 }  // namespace FLASHSDPA_TIER_NS

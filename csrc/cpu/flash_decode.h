@@ -22,15 +22,12 @@ template <class TierOps, class T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps>::type;
   // Keys per block: 128 KiB of K (and of V) at D = 128 in either width, so the K and V streams
-  // alternate as often per byte for bf16 / fp16 as for fp32 (interleaved A/B, bf16 decode
-  // suite: 512 keys +2-3% over 256).
+  // alternate as often per byte for bf16 / fp16 as for fp32.
   static constexpr int kBlock = sizeof(T) == 2 ? 512 : 256;
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
   // Splits per (b, kv head): enough for about kTargetItems items in all, no more (each split
-  // restarts the K / V streams and adds a partial to merge). Interleaved A/B against up to 32
-  // splits per head over the decode suite, 2 threads: fp32 +0-10% (GQA (1,32/8,8192,128), 8
-  // splits instead of 32: +10%), bf16 +1-6%, no case slower. A shape-only choice, so results
+  // restarts the K / V streams and adds a partial to merge). A shape-only choice, so results
   // never depend on the thread count.
   static constexpr int64_t kTargetItems = 64;
 

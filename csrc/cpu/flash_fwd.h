@@ -116,7 +116,7 @@ struct FlashForward {
     }
     const float shift = __builtin_ceilf(__builtin_log2f(sum));
     const float alpha = exp2_poly(-shift);
-    Ops::scale_row(acc_row, Dv, alpha);
+    Ops::Row::scale_row(acc_row, Dv, alpha);
     *l = (*l + sum) * alpha;
     *m += shift;
     return alpha;
@@ -156,7 +156,7 @@ struct FlashForward {
       float* acc = scratch + L.acc;
       float* vp = scratch + L.v;
       Ops::pack_bt(q_row<T>(p, b, h, i0), p.q_sl, D, nq, qt);
-      Ops::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
+      Ops::Row::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
       float* csum = scratch + L.ct;
       const int nqp = int(round_up(nq, Ops::NR));
       // padding columns (zero queries) keep reference 0: their P is 1, never read
@@ -205,7 +205,7 @@ struct FlashForward {
           Ops::softmax_cols(st, L.ldt, nk, nqc, m, l, alpha);
           m_finite = true;
           for (int r = 0; r < nq; ++r) {
-            if (alpha[r] != 1.0f) Ops::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha[r]);
+            if (alpha[r] != 1.0f) Ops::Row::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha[r]);
             alpha[r] = 1.0f;
             m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
           }
@@ -309,7 +309,7 @@ struct FlashForward {
             for (int r = 0; r < nq; ++r) {
               const float alpha =
                   absorb_fused_sum(sv[r * 16], &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv);
-              if (alpha != 1.0f) Ops::scale_row(s + int64_t(r) * L.lds, nk, alpha);
+              if (alpha != 1.0f) Ops::Row::scale_row(s + int64_t(r) * L.lds, nk, alpha);
             }
             any_row = true;
             m_finite = true;

@@ -9,14 +9,13 @@
 //   pack_bt<T>           B[kk][n] = src[n*ld + kk]  -> panels   (e.g. K^T for S = Q K^T)
 //   gemm<TransA>         C[M][Np] (= or +=) A[M][K] * B[K][Np], A row-major or transposed,
 //                        B panels `bstride` floats apart
-//   score_row            s += mask (log2 domain; Q comes pre-scaled), causal cut, returns max
-//   exp2_row_sum         p = exp2(s - m), returns sum(p)
+//   Row                  the row operations (row_ops.h) on the trait's vector type: score_row,
+//                        exp2_row_sum, scale_row, ds_row, store_row, dot_row, load_rows
 //   dropout_row          out = x * keep / (1 - p), keep bits from Philox (scalar.h)
-//   ds_row               dS = P * (dP - delta)
 //   decode_qk, decode_pv short-query kernels on unpacked K / V rows (flash_decode.h)
-//   scale_row, store_row, dot_row
 #pragma once
 #include "../params.h"
+#include "row_ops.h"
 #include "scalar.h"
 
 namespace flashsdpa {
@@ -65,6 +64,44 @@ inline vf4 vexp2(vf4 x) {
   const vf4 scale = (vf4)((ni + 127) << 23);
   return vselect(x != x, x, p * scale);
 }
+
+// The row operations' vector type (row_ops.h) on vf4.
+struct VecF4 {
+  using reg = vf4;
+  static constexpr int W = 4, kSums = 1;
+  static reg load(const float* p) { return vload(p); }
+  static void store(float* p, reg v) { vstore(p, v); }
+  static reg splat(float x) { return vsplat(x); }
+  static reg add(reg a, reg b) { return a + b; }
+  static reg sub(reg a, reg b) { return a - b; }
+  static reg mul(reg a, reg b) { return a * b; }
+  static reg fma(reg a, reg b, reg c) { return a * b + c; }
+  static reg max(reg a, reg b) { return vmax(a, b); }
+  static reg exp2(reg x) { return vexp2(x); }
+  static float hsum(reg v) { return ::flashsdpa::cpu::FLASHSDPA_TIER_NS::hsum(v); }
+  static float hmax(reg v) { return ::flashsdpa::cpu::FLASHSDPA_TIER_NS::hmax(v); }
+  static reg first_n(reg x, int n, float fill) {
+    return vselect(vi4{0, 1, 2, 3} < vi4{n, n, n, n}, x, vsplat(fill));
+  }
+  template <class T>
+  static reg load_t(const T* p) {
+    return vf4{to_f32(p[0]), to_f32(p[1]), to_f32(p[2]), to_f32(p[3])};
+  }
+  template <class T>
+  static reg load_n(const T* p, int n) {
+    vf4 v = vsplat(0.0f);
+    for (int i = 0; i < n; ++i) v[i] = to_f32(p[i]);
+    return v;
+  }
+  template <class T>
+  static void store_t(T* p, reg v) {
+    for (int i = 0; i < W; ++i) p[i] = from_f32<T>(v[i]);
+  }
+  template <class T>
+  static void store_n(T* p, reg v, int n) {
+    for (int i = 0; i < n; ++i) p[i] = from_f32<T>(v[i]);
+  }
+};
 
 // Causal restriction of a gemm, per group of MR rows: the group of rows [i, i + R) needs only
 // min(extent, off + i + R) columns of B (on_n) or steps of the inner dimension (!on_n); beyond
@@ -223,15 +260,13 @@ struct GenericOps {
   static constexpr int kBlockQ = 60;     // forward: query rows per block (a multiple of MR)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
 
-  // dst[i*ldd + d] = mul * src[i*ld + d] for i < rows, d < cols.
+  // The row operations (row_ops.h) on 4-float vectors; load_rows (fp32 A rows) is a trait
+  // member because tiers with another operand format replace it.
+  using Row = RowOps<VecF4>;
   template <class T>
   static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
                         float mul) {
-    for (int i = 0; i < rows; ++i) {
-      const T* s = src + i * ld;
-      float* d = dst + int64_t(i) * ldd;
-      for (int c = 0; c < cols; ++c) d[c] = to_f32(s[c]) * mul;
-    }
+    Row::load_rows(src, ld, rows, cols, dst, ldd, mul);
   }
 
   // Panel layout: panel p holds columns [p*NR, p*NR + NR) as [K][NR]; columns >= N are zero.
@@ -310,47 +345,7 @@ struct GenericOps {
     return tile;
   }
 
-  // s[j] = s[j] * mul + madd[j] for j < valid (madd may be null; mul == 1 skips the multiply),
-  // s[j] = -inf for valid <= j < n. Returns max_j s[j] (-inf if every column is masked).
-  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
-    if (mul != 1.0f) scale_row(s, valid, mul);
-    vf4 mx4 = vsplat(kNegInf);
-    int j = 0;
-    if (madd) {
-      for (; j + 4 <= valid; j += 4) {
-        const vf4 x = vload(s + j) + vload(madd + j);
-        vstore(s + j, x);
-        mx4 = vmax(mx4, x);
-      }
-    } else {
-      for (; j + 4 <= valid; j += 4) mx4 = vmax(mx4, vload(s + j));
-    }
-    float mx = hmax(mx4);
-    for (; j < valid; ++j) {
-      if (madd) s[j] += madd[j];
-      mx = s[j] > mx ? s[j] : mx;
-    }
-    for (; j < n; ++j) s[j] = kNegInf;
-    return mx;
-  }
 
-  // s[j] = exp2(s[j] - m) for j < n; returns the sum. m must be finite.
-  static float exp2_row_sum(float* s, int n, float m) {
-    const vf4 m4 = vsplat(m);
-    vf4 sum4 = vsplat(0.0f);
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const vf4 e = vexp2(vload(s + j) - m4);
-      vstore(s + j, e);
-      sum4 += e;
-    }
-    float sum = hsum(sum4);
-    for (; j < n; ++j) {
-      s[j] = exp2_poly(s[j] - m);
-      sum += s[j];
-    }
-    return sum;
-  }
 
   // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
   // s[r*lds + j] = sum_d q[r*ldq + d] * k[j*ldk + d] for r < M, j < nk.
@@ -401,34 +396,9 @@ struct GenericOps {
     }
   }
 
-  // dS = P * (dP - delta): ds[c] = p[c] * (ds[c] - delta) for c < n (ds holds dP on entry).
-  static void ds_row(const float* pr, float* ds, int n, float delta) {
-    const vf4 d4 = vsplat(delta);
-    int j = 0;
-    for (; j + 4 <= n; j += 4) vstore(ds + j, vload(pr + j) * (vload(ds + j) - d4));
-    for (; j < n; ++j) ds[j] = pr[j] * (ds[j] - delta);
-  }
 
-  static void scale_row(float* x, int n, float a) {
-    const vf4 a4 = vsplat(a);
-    int j = 0;
-    for (; j + 4 <= n; j += 4) vstore(x + j, vload(x + j) * a4);
-    for (; j < n; ++j) x[j] *= a;
-  }
 
-  // dst[j] = round(src[j] * mul) for j < n.
-  template <class T>
-  static void store_row(const float* src, int n, float mul, T* dst) {
-    for (int j = 0; j < n; ++j) dst[j] = from_f32<T>(src[j] * mul);
-  }
 
-  // sum_j to_f32(a[j]) * to_f32(b[j])
-  template <class T>
-  static float dot_row(const T* a, const T* b, int n) {
-    float s = 0.0f;
-    for (int j = 0; j < n; ++j) s += to_f32(a[j]) * to_f32(b[j]);
-    return s;
-  }
 };
 
 }  // namespace FLASHSDPA_TIER_NS

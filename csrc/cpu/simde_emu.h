@@ -65,6 +65,12 @@ inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* mem) {
   simde_memcpy(&r, v, sizeof(r));
   return r;
 }
+inline void mask_storeu_ps(void* mem, simde__mmask16 k, simde__m512 a) {
+  const simde__m512_private v = simde__m512_to_private(a);
+  float* m = static_cast<float*>(mem);
+  for (int i = 0; i < 16; ++i)
+    if ((k >> i) & 1) m[i] = v.f32[i];
+}
 inline void mask_storeu_epi16_256(void* mem, simde__mmask16 k, simde__m256i a) {
   uint16_t v[16];
   simde_memcpy(v, &a, sizeof(v));
@@ -128,6 +134,8 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm256_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_256(k, p)
 #undef _mm512_maskz_loadu_epi16
 #define _mm512_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_512(k, p)
+#undef _mm512_mask_storeu_ps
+#define _mm512_mask_storeu_ps(p, k, a) flashsdpa::emu::mask_storeu_ps(p, k, a)
 #undef _mm256_mask_storeu_epi16
 #define _mm256_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16_256(p, k, a)
 #undef _mm512_mask_storeu_epi16

@@ -1,0 +1,134 @@
+// The row operations of the softmax, the backward and the loads / stores, written once over a
+// small vector type V; each trait names its own (Ops::Row = RowOps<its vector type>):
+// VecF4 (generic_ops.h: the compiler's generic 4-float vectors), VecY8 (avx2_ops.h: ymm),
+// VecZ16 (avx512_ops.h: zmm). V provides
+//   reg, W (lanes), kSums (independent sums the exp pass keeps: more need more registers)
+//   load / store (float, unaligned), splat, add, sub, mul, fma(a, b, c) = a * b + c, max, exp2
+//   (exp2_poly's polynomial, scalar.h), hsum, hmax
+//   first_n(x, n, fill): lanes from n on replaced by fill (0 <= n < W)
+//   load_t<T> / load_n<T>(p, n): W (or the first n, the rest 0) elements of T widened to fp32
+//   store_t<T> / store_n<T>(p, v, n): W (or the first n) lanes rounded to T
+// Rows of scores are padded: a row buffer holds whole vectors past its n columns, and what
+// score_row leaves there (-inf) exp2_row_sum turns into 0.
+#pragma once
+#include "scalar.h"
+
+namespace flashsdpa {
+namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+
+template <class V>
+struct RowOps {
+  using reg = typename V::reg;
+  static constexpr int W = V::W;
+
+  // s[j] = s[j] * mul + madd[j] for j < valid (madd may be null; mul == 1 skips the multiply),
+  // s[j] = -inf from valid up to the end of the vector holding column n - 1. Returns
+  // max_{j < valid} s[j] (-inf when valid is 0). Without mask and scale it only reads the row.
+  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
+    if (mul != 1.0f) scale_row(s, valid, mul);
+    const reg ninf = V::splat(kNegInf);
+    reg mx = ninf;
+    int j = 0;
+    if (madd) {
+      for (; j + W <= valid; j += W) {
+        const reg x = V::add(V::load(s + j), V::load(madd + j));
+        V::store(s + j, x);
+        mx = V::max(mx, x);
+      }
+    } else {
+      mx = max_chains<W>(s, j, valid, mx, [](const float* x) { return V::load(x); },
+                         [](reg a, reg b) { return V::max(a, b); });
+    }
+    if (j < valid) {  // the vector holding column `valid`
+      reg x = V::load(s + j);
+      if (madd) x = V::add(x, V::load(madd + j));
+      x = V::first_n(x, valid - j, kNegInf);
+      V::store(s + j, x);
+      mx = V::max(mx, x);
+      j += W;
+    }
+    for (; j < n; j += W) V::store(s + j, ninf);
+    return V::hmax(mx);
+  }
+
+  // s[j] = exp2(s[j] - m) over the vectors covering n columns (padding lanes hold -inf -> 0);
+  // returns the sum. m must be finite.
+  static float exp2_row_sum(float* s, int n, float m) {
+    const reg mv = V::splat(m);
+    reg sum0 = V::splat(0.0f), sum1 = sum0;
+    int j = 0;
+    if constexpr (V::kSums == 2) {
+      for (; j + 2 * W <= n; j += 2 * W) {
+        const reg e0 = V::exp2(V::sub(V::load(s + j), mv));
+        const reg e1 = V::exp2(V::sub(V::load(s + j + W), mv));
+        V::store(s + j, e0);
+        V::store(s + j + W, e1);
+        sum0 = V::add(sum0, e0);
+        sum1 = V::add(sum1, e1);
+      }
+    }
+    for (; j < n; j += W) {
+      const reg e = V::exp2(V::sub(V::load(s + j), mv));
+      V::store(s + j, e);
+      sum0 = V::add(sum0, e);
+    }
+    return V::hsum(V::kSums == 2 ? V::add(sum0, sum1) : sum0);
+  }
+
+  // x[j] *= a for j < n.
+  static void scale_row(float* x, int n, float a) {
+    const reg av = V::splat(a);
+    int j = 0;
+    for (; j + W <= n; j += W) V::store(x + j, V::mul(V::load(x + j), av));
+    if (j < n) V::store_n(x + j, V::mul(V::load_n(x + j, n - j), av), n - j);
+  }
+
+  // dS = P * (dP - delta): ds[j] = p[j] * (ds[j] - delta) for j < n (ds holds dP on entry).
+  static void ds_row(const float* p, float* ds, int n, float delta) {
+    const reg dv = V::splat(delta);
+    int j = 0;
+    for (; j + W <= n; j += W)
+      V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), dv)));
+    if (j < n)
+      V::store_n(ds + j, V::mul(V::load_n(p + j, n - j), V::sub(V::load_n(ds + j, n - j), dv)),
+                 n - j);
+  }
+
+  // dst[j] = round(src[j] * mul) for j < n.
+  template <class T>
+  static void store_row(const float* src, int n, float mul, T* dst) {
+    const reg mv = V::splat(mul);
+    int j = 0;
+    for (; j + W <= n; j += W) V::store_t(dst + j, V::mul(V::load(src + j), mv));
+    if (j < n) V::store_n(dst + j, V::mul(V::load_n(src + j, n - j), mv), n - j);
+  }
+
+  // sum_j a[j] * b[j], widened to fp32.
+  template <class T>
+  static float dot_row(const T* a, const T* b, int n) {
+    reg acc = V::splat(0.0f);
+    int j = 0;
+    for (; j + W <= n; j += W) acc = V::fma(V::load_t(a + j), V::load_t(b + j), acc);
+    if (j < n) acc = V::fma(V::load_n(a + j, n - j), V::load_n(b + j, n - j), acc);
+    return V::hsum(acc);
+  }
+
+  // dst[i*ldd + c] = mul * src[i*ld + c] for i < rows, c < cols (fp32 rows: an A operand).
+  template <class T>
+  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                        float mul) {
+    const reg mv = V::splat(mul);
+    for (int i = 0; i < rows; ++i) {
+      const T* s = src + i * ld;
+      float* d = dst + int64_t(i) * ldd;
+      int c = 0;
+      for (; c + W <= cols; c += W) V::store(d + c, V::mul(V::load_t(s + c), mv));
+      if (c < cols) V::store_n(d + c, V::mul(V::load_n(s + c, cols - c), mv), cols - c);
+    }
+  }
+};
+
+}  // namespace FLASHSDPA_TIER_NS
+}  // namespace cpu
+}  // namespace flashsdpa

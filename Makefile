@@ -20,15 +20,19 @@ $(STAMP): Makefile
 
 deps: $(STAMP)
 
-# SIMDe (Debian's libsimde-dev) lets the build add emulated AVX-512 / AMX tiers that the tests
-# run on any x86 CPU. Best effort: without it those tests skip, saying why.
+# System packages the tests need beyond Python's: SIMDe (Debian's libsimde-dev), with which the
+# build adds the emulated AVX-512 / AMX tiers the tests run on any x86 CPU, and the aarch64 cross
+# compiler the build tests compile the portable tier with. Best effort: without them those tests
+# skip, saying why (and fail under FLASHSDPA_STRICT=1, as in CI).
+CROSS_CXX := aarch64-linux-gnu-g++
 simde:
-	@test -f $(SIMDE_HEADER) || { \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	@{ test -f $(SIMDE_HEADER) && command -v $(CROSS_CXX) >/dev/null 2>&1; } || { \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; PKGS="libsimde-dev g++-aarch64-linux-gnu"; \
 	  command -v apt-get >/dev/null 2>&1 && \
-	  { $$SUDO apt-get install -y -q libsimde-dev >/dev/null 2>&1 || \
-	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libsimde-dev >/dev/null 2>&1; }; }; \
-	  test -f $(SIMDE_HEADER) || echo "note: SIMDe not installed; the emulated-tier tests will skip"; }
+	  { $$SUDO apt-get install -y -q $$PKGS >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q $$PKGS >/dev/null 2>&1; }; }; \
+	  test -f $(SIMDE_HEADER) || echo "note: SIMDe not installed; the emulated-tier tests will skip"; \
+	  command -v $(CROSS_CXX) >/dev/null 2>&1 || echo "note: no $(CROSS_CXX); the aarch64 build test will skip"; }
 
 # The package is installed once in editable mode without the extension (that maps
 # flashsdpa.kernels to kernels/); the extension is then built in place, in build/, where ninja
@@ -55,9 +59,11 @@ peak: build
 # results bench/gpu_check.sh last committed: no GPU here to refresh them).
 bench-all: build
 	$(PY) bench/bench_sdpa.py --mode fwd
-	$(PY) bench/bench_sdpa.py --mode train --repeats 3 --shapes 1x16x1024x64,1x8x2048x128,4x16x512x64,1x16/4x1024x128
+	$(PY) bench/bench_sdpa.py --mode train
 	$(PY) bench/bench_sdpa.py --mode decode
-	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json bench/results/decode.json \
+	$(PY) bench/bench_paths.py
+	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json \
+	  bench/results/decode.json bench/results/paths.json \
 	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)
 
 # A/B of the working tree against git revision BASE, both builds in one process, interleaved

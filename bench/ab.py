@@ -34,12 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 AB_DIR = os.path.join(HERE, ".build", "ab")  # git-ignored (bench/.build/)
 OLD, NEW = "flashsdpa", "flashsdpa_base"
-# Per mode: (shapes, rounds) as `make bench-all` runs them (keep in step with its recipe).
-MODES = {
-    "fwd": ("suite", 5),
-    "train": ("1x16x1024x64,1x8x2048x128,4x16x512x64,1x16/4x1024x128", 3),
-    "decode": ("suite", 11),
-}
+MODES = ("fwd", "train", "decode")  # each with bench_sdpa's suite and rounds, as bench-all
 
 
 def rename_tree(root, old=OLD, new=NEW):
@@ -151,7 +146,7 @@ def main(argv=None):
     import torch
     try:  # bad arguments fail before a build of several minutes
         dtypes = bs.parse_dtypes(args.dtypes)
-        cases = {m: bs.parse_shapes(args.shapes or MODES[m][0], m) for m in modes}
+        cases = {m: bs.parse_shapes(args.shapes or "suite", m) for m in modes}
     except ValueError as e:
         ap.error(str(e))
     sha, base_dir = build_base(args.base)
@@ -181,7 +176,7 @@ def main(argv=None):
           "| new rate |\n|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for mode in modes:
-        repeats = args.repeats or MODES[mode][1]
+        repeats = args.repeats or bs.DEFAULT_REPEATS[mode]
         # decode: q_len 1 sees the whole cache, so causal or not is one case (as bench_sdpa)
         causals = [False] if mode == "decode" else \
             {"both": [False, True], "yes": [True], "no": [False]}[args.causal]

@@ -56,6 +56,13 @@ PREFILL_SUITE = [
     (8, 12, 12, 256, 64),
     (1, 16, 4, 1024, 128),
 ]
+# (B, Hq, Hkv, L, D): the forward + backward suite (fewer shapes: each case costs 3.5 forwards)
+TRAIN_SUITE = [
+    (1, 16, 16, 1024, 64),
+    (1, 8, 8, 2048, 128),
+    (4, 16, 16, 512, 64),
+    (1, 16, 4, 1024, 128),
+]
 # (B, Hq, Hkv, KV length, D): the public decode suite, q_len = 1
 DECODE_SUITE = [
     (1, 32, 32, 4096, 128),
@@ -63,6 +70,9 @@ DECODE_SUITE = [
     (1, 32, 32, 16384, 128),
     (1, 32, 8, 8192, 128),
 ]
+# Timing rounds per case by default: decode samples are short and the read bandwidth here swings
+# within seconds, so decode takes more; forward + backward cases are long, so train takes fewer.
+DEFAULT_REPEATS = {"fwd": 5, "train": 3, "decode": 11}
 # Small cases for smoke tests of this script
 TINY_SUITE = [(1, 2, 2, 64, 32), (1, 4, 2, 96, 16)]
 TINY_DECODE = [(1, 4, 2, 256, 32)]
@@ -191,7 +201,7 @@ def time_case(steps, repeats, target_s=0.02, between=None, between_after=None, a
 # ---- cases -----------------------------------------------------------------------------------------
 def parse_shapes(spec, mode):
     if spec == "suite":
-        return DECODE_SUITE if mode == "decode" else PREFILL_SUITE
+        return {"decode": DECODE_SUITE, "train": TRAIN_SUITE}.get(mode, PREFILL_SUITE)
     if spec == "tiny":
         return TINY_DECODE if mode == "decode" else TINY_SUITE
     shapes = []
@@ -471,7 +481,7 @@ def main(argv=None):
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
     if args.repeats is None:
-        args.repeats = 11 if args.mode == "decode" else 5
+        args.repeats = DEFAULT_REPEATS[args.mode]
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     try:  # bad --dtypes / --shapes: a usage error naming the argument, before any timing

@@ -10,10 +10,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_paths import markdown as paths_markdown  # noqa: E402
 from bench_sdpa import markdown  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)"}
+TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)",
+          "paths": "Special paths, each against its alternative"}
 
 
 def render(paths):
@@ -24,7 +26,7 @@ def render(paths):
         meta = res["meta"]
         parts.append(f"#### {TITLES.get(meta['mode'], meta['mode'])} "
                      f"(`{os.path.relpath(path)}`, {meta['date']})\n")
-        parts.append(markdown(meta, res["rows"]))
+        parts.append((paths_markdown if meta["mode"] == "paths" else markdown)(meta, res["rows"]))
         parts.append("")
     return "\n".join(parts)
 

@@ -37,6 +37,19 @@ Isa parse_isa_or_throw(const std::string& name) {
   return isa;
 }
 
+// A tier setting by name, "" clearing it (the cap, the emulated tier), and its reading.
+template <void (*Set)(Isa), void (*Clear)()>
+void set_tier(const std::string& name) {
+  if (name.empty()) {
+    Clear();
+  } else {
+    Set(parse_isa_or_throw(name));
+  }
+}
+py::object tier_or_none(bool set, Isa isa) {
+  return set ? py::object(py::str(flashsdpa::cpu::isa_name(isa))) : py::object(py::none());
+}
+
 py::list feature_names(uint32_t bits) {
   py::list out;
   for (int i = 0; i < int(Feature::kCount); ++i)
@@ -107,29 +120,20 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t offset, int64_t B, int64_t H,
 
 py::dict decode_raw(const py::dict& raw, bool is_x86) {
   flashsdpa::cpu::RawCpuid r;
-  auto get = [&](const char* key, uint64_t dflt) {
-    return raw.contains(key) ? raw[key].cast<uint64_t>() : dflt;
-  };
-  r.max_leaf = uint32_t(get("max_leaf", 7));
-  r.leaf1_ecx = uint32_t(get("leaf1_ecx", 0));
-  r.leaf7_ebx = uint32_t(get("leaf7_ebx", 0));
-  r.leaf7_edx = uint32_t(get("leaf7_edx", 0));
-  r.leaf7_1_eax = uint32_t(get("leaf7_1_eax", 0));
-  r.xcr0 = get("xcr0", 0);
-  r.amx_permitted = get("amx_permitted", 0) != 0;
+  r.max_leaf = 7;  // the words not given are 0, the leaves up to 7 present
+#define FLASHSDPA_GET(f) \
+  if (raw.contains(#f)) r.f = decltype(r.f)(raw[#f].cast<uint64_t>());
+  FLASHSDPA_RAW_CPUID_FIELDS(FLASHSDPA_GET)
+#undef FLASHSDPA_GET
   return features_dict(flashsdpa::cpu::decode_features(r, is_x86));
 }
 
 py::dict raw_cpuid() {
   const auto r = flashsdpa::cpu::read_cpuid();
   py::dict d;
-  d["max_leaf"] = r.max_leaf;
-  d["leaf1_ecx"] = r.leaf1_ecx;
-  d["leaf7_ebx"] = r.leaf7_ebx;
-  d["leaf7_edx"] = r.leaf7_edx;
-  d["leaf7_1_eax"] = r.leaf7_1_eax;
-  d["xcr0"] = r.xcr0;
-  d["amx_permitted"] = int(r.amx_permitted);
+#define FLASHSDPA_PUT(f) d[#f] = uint64_t(r.f);
+  FLASHSDPA_RAW_CPUID_FIELDS(FLASHSDPA_PUT)
+#undef FLASHSDPA_PUT
   return d;
 }
 
@@ -163,18 +167,12 @@ void set_policy(const py::dict& d) {
   flashsdpa::set_policy_override(o);
 }
 
-py::dict last_policy_dict() {
-  const flashsdpa::KernelPolicy pol = flashsdpa::last_policy();
+py::dict kernel_policy_dict(const flashsdpa::KernelPolicy& pol) {
   py::dict d;
   d["tier"] = pol.tier ? flashsdpa::cpu::isa_name(pol.isa) : "";
-  d["decode"] = pol.decode;
-  d["transposed"] = pol.transposed;
-  d["prepack"] = pol.prepack;
-  d["fused_exp"] = pol.fused_exp;
-  d["whole_q"] = pol.whole_q;
-  d["fused_bwd"] = pol.fused_bwd;
-  d["bq"] = pol.bq;
-  d["bk"] = pol.bk;
+#define FLASHSDPA_PUT(f) d[#f] = pol.f;
+  FLASHSDPA_KERNEL_POLICY_FIELDS(FLASHSDPA_PUT)
+#undef FLASHSDPA_PUT
   return d;
 }
 
@@ -215,12 +213,7 @@ py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<a
     const flashsdpa::Shaped s = flashsdpa::to_4d(q, k, v, mask);
     const auto plan = flashsdpa::forward_plan(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale);
     out["kernel"] = plan.second;
-    py::dict pol;
-    pol["tier"] = flashsdpa::cpu::isa_name(plan.first.isa);
-    pol["decode"] = plan.first.decode;
-    pol["transposed"] = plan.first.transposed;
-    pol["prepack"] = plan.first.prepack;
-    out["policy"] = pol;
+    out["policy"] = kernel_policy_dict(plan.first);
   } else if (d.backend == Backend::Triton) {
     out["kernel"] = "flashsdpa::triton_attn_fwd";
   } else if (d.invalid.empty()) {
@@ -238,19 +231,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("raw_cpuid", &raw_cpuid, "the raw CPUID / XCR0 words feature detection decodes");
   m.def("cpu_brand", &flashsdpa::cpu::cpu_brand);
   m.def("tiers", &tiers_list, "every tier: built?, runnable on this CPU?, dtypes");
-  m.def(
-      "set_isa_cap",
-      [](const std::string& name) {
-        if (name.empty()) {
-          flashsdpa::cpu::clear_isa_cap();
-        } else {
-          flashsdpa::cpu::set_isa_cap(parse_isa_or_throw(name));
-        }
-      },
-      py::arg("name"), "cap the CPU tier ('' removes the cap)");
-  m.def("isa_cap", []() -> py::object {
-    if (!flashsdpa::cpu::isa_cap_is_set()) return py::none();
-    return py::str(flashsdpa::cpu::isa_name(flashsdpa::cpu::isa_cap()));
+  m.def("set_isa_cap", &set_tier<&flashsdpa::cpu::set_isa_cap, &flashsdpa::cpu::clear_isa_cap>,
+        py::arg("name"), "cap the CPU tier ('' removes the cap)");
+  m.def("isa_cap", [] {
+    return tier_or_none(flashsdpa::cpu::isa_cap_is_set(), flashsdpa::cpu::isa_cap());
   });
   m.def(
       "selected_isa",
@@ -295,22 +279,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_ t = m.def_submodule("testing", "test and tuning hooks (flashsdpa._testing)");
   t.def("decode_features", &decode_raw, py::arg("raw"), py::arg("is_x86") = true,
         "decode fake CPUID/XCR0 words");
-  t.def(
-      "set_emulated_tier",
-      [](const std::string& name) {
-        if (name.empty()) {
-          flashsdpa::cpu::clear_emulated_tier();
-        } else {
-          flashsdpa::cpu::set_emulated_tier(parse_isa_or_throw(name));
-        }
-      },
-      py::arg("name"), "run the SIMDe-emulated build of a tier ('' to stop)");
+  t.def("set_emulated_tier",
+        &set_tier<&flashsdpa::cpu::set_emulated_tier, &flashsdpa::cpu::clear_emulated_tier>,
+        py::arg("name"), "run the SIMDe-emulated build of a tier ('' to stop)");
+  t.def("emulated_tier", [] {
+    Isa isa = Isa::portable;
+    const bool set = flashsdpa::cpu::emulated_tier_set(&isa);
+    return tier_or_none(set, isa);
+  });
   t.def("set_debug_poison", &flashsdpa::set_debug_poison, py::arg("on"));
   t.def("debug_poison", &flashsdpa::debug_poison);
   t.def("set_policy", &set_policy, py::arg("policy"),
         "force parts of the kernel policy: a dict of PolicyOverride fields (-1 / 0: the plan's)");
   t.def("policy", [] { return policy_dict(flashsdpa::policy_override()); });
-  t.def("last_policy", &last_policy_dict, "the kernel policy of this thread's last CPU call");
+  t.def("last_policy", [] { return kernel_policy_dict(flashsdpa::last_policy()); },
+        "the kernel policy of this thread's last CPU call");
   t.def("set_path_counting", &flashsdpa::set_path_counting, py::arg("on"),
         "count the fast paths taken inside the kernels (reset when switched)");
   t.def("path_counts", [] {

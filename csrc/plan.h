@@ -19,6 +19,10 @@ struct KernelPolicy {
   int bq, bk;       // the blocks of the call's phases (query rows, keys)
 };
 
+// KernelPolicy's fields after isa / tier, as a list (the report: module.cpp).
+#define FLASHSDPA_KERNEL_POLICY_FIELDS(X) \
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(bq) X(bk)
+
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
 // (record = false: explain() asking, not a call)

@@ -1,4 +1,5 @@
 """Helpers shared across the flashsdpa package (one home each)."""
+import contextlib
 import logging
 
 import torch
@@ -12,6 +13,18 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 # Device types whose tensors the Triton kernels take.
 GPU_DEVICE_TYPES = ("xpu", "cuda")
+
+
+@contextlib.contextmanager
+def swapped(get, set_, value):
+    """set_(value) inside the block; what get() returned before it is set back on exit, also when
+    the block raises."""
+    previous = get()
+    set_(value)
+    try:
+        yield
+    finally:
+        set_(previous)
 
 
 def log_fallback(reason):

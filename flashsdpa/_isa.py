@@ -1,11 +1,10 @@
 """CPU tier selection: cpu_isa() and the FLASHSDPA_CPU_ISA cap."""
-import contextlib
 import os
 
 import torch
 
 from . import _C
-from ._common import DTYPE_NAMES
+from ._common import DTYPE_NAMES, swapped
 
 ENV_VAR = "FLASHSDPA_CPU_ISA"
 
@@ -26,12 +25,6 @@ def cpu_isa(dtype=torch.float32):
     return _C.selected_isa(DTYPE_NAMES[dtype])
 
 
-@contextlib.contextmanager
 def cap(tier):
     """Temporarily cap the CPU tier (tests run the suite once per tier this way)."""
-    previous = _C.isa_cap()
-    _C.set_isa_cap(tier)
-    try:
-        yield
-    finally:
-        _C.set_isa_cap(previous or "")
+    return swapped(_C.isa_cap, lambda t: _C.set_isa_cap(t or ""), tier)

@@ -12,6 +12,7 @@ bwd_bk (block sizes, 0 the plan's choice).
 import contextlib
 
 from . import _C
+from ._common import swapped
 
 _T = _C.testing
 decode_features = _T.decode_features
@@ -21,44 +22,24 @@ last_policy = _T.last_policy
 set_policy = _T.set_policy  # a dict of policy fields, replacing what is forced ({}: nothing)
 
 
-@contextlib.contextmanager
 def policy(**fields):
     """Parts of the kernel policy forced inside the block (on top of what is already forced)."""
-    previous = _T.policy()
-    _T.set_policy(dict(previous, **fields))
-    try:
-        yield
-    finally:
-        _T.set_policy(previous)
+    return swapped(_T.policy, _T.set_policy, dict(_T.policy(), **fields))
 
 
 @contextlib.contextmanager
 def counting():
-    """Counts the fast paths the kernels take inside the block; yields a function that returns
-    the counts so far (a dict)."""
-    _T.set_path_counting(True)
-    try:
+    """Counts the fast paths the kernels take inside the block (from zero); yields a function
+    that returns the counts so far (a dict)."""
+    with swapped(lambda: False, _T.set_path_counting, True):
         yield _T.path_counts
-    finally:
-        _T.set_path_counting(False)
 
 
-@contextlib.contextmanager
 def emulated(tier):
     """The SIMDe-emulated build of `tier` runs the dtypes it implements inside the block."""
-    _T.set_emulated_tier(tier)
-    try:
-        yield
-    finally:
-        _T.set_emulated_tier("")
+    return swapped(_T.emulated_tier, lambda t: _T.set_emulated_tier(t or ""), tier)
 
 
-@contextlib.contextmanager
 def poisoned(on=True):
     """Every output and scratch buffer of the CPU kernels starts as NaN inside the block."""
-    previous = _T.debug_poison()
-    _T.set_debug_poison(on)
-    try:
-        yield
-    finally:
-        _T.set_debug_poison(previous)
+    return swapped(_T.debug_poison, _T.set_debug_poison, on)

@@ -5,7 +5,6 @@ The error rule (flash-attention's): measured against an fp64 reference,
     max|ours - ref|  <=  2 * max|torch_same_dtype - ref|  +  ATOL[dtype] * max(1, max|ref|)
 where torch_same_dtype is PyTorch's own SDPA on the same inputs in the same dtype.
 """
-import contextlib
 import math
 import os
 
@@ -21,6 +20,7 @@ if not ((hasattr(torch, "xpu") and torch.xpu.is_available()) or torch.cuda.is_av
 
 import flashsdpa
 from flashsdpa import _C, _testing
+from flashsdpa._common import swapped
 from flashsdpa._isa import cap
 
 # ---- the one tolerance table ---------------------------------------------------------------------
@@ -172,14 +172,8 @@ def torch_sdpa_same_dtype(q, k, v, **kw):
     return F.scaled_dot_product_attention(q, k, v, **kw)
 
 
-@contextlib.contextmanager
 def num_threads(n):
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+    return swapped(torch.get_num_threads, torch.set_num_threads, n)
 
 
 def check_forward_backward(q, k, v, dtype, what, backward=True, sdpa=None, device="cpu", **kw):

@@ -108,3 +108,29 @@ def test_bench_bad_arguments_name_the_argument(tmp_path, args, message):
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert not list(tmp_path.iterdir())  # failed before any timing or output
+
+
+def test_bench_paths_runs_every_path(tmp_path):
+    """bench_paths.py times each special path on its named case against the path forced off;
+    the plan takes every path on this host's tiers that it has code for."""
+    out = tmp_path / "paths.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_paths.py"), "--repeats",
+                          "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    sys.path.insert(0, BENCH)
+    import bench_paths
+    assert [r["path"] for r in rows] == list(bench_paths.PATHS)
+    from flashsdpa import _C
+    tier_paths = {t["name"]: t["paths"] for t in _C.tiers()}
+    for r in rows:
+        needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp"}.get(r["path"])
+        assert r["plan_takes_it"] == (needs_trait is None or needs_trait in tier_paths[r["tier"]])
+        assert r["on_ms"] > 0 and r["off_ms"] > 0
+
+
+def test_bench_paths_bad_path_names_the_argument(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_paths.py"), "--paths",
+                          "nope", "--out", str(tmp_path / "x.json")], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and "--paths: unknown path 'nope'" in res.stderr

@@ -86,13 +86,8 @@ inline __m256 exp2_8(__m256 x) {
   xc = _mm256_max_ps(_mm256_set1_ps(kExp2Min), xc);
   const __m256 t = _mm256_add_ps(xc, magic);
   const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));  // f = xc - n
-  __m256 p = _mm256_set1_ps(kExp2C6);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C5));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C4));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C3));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C2));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C1));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2C0));
+  const __m256 p = exp2_horner(f, [](float c) { return _mm256_set1_ps(c); },
+                               [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); });
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 
@@ -113,6 +108,28 @@ inline void transpose8(__m256 r[8]) {
   for (int i = 0; i < 4; ++i) {
     r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
     r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// out[kk*ldo + i] = src[i*ld + kk] for i < 8 (0 for i >= rows), kk < K: 8 x 8 blocks through
+// transpose8, then the last columns one at a time (out 32-byte aligned; ldo a multiple of 8).
+template <class T>
+inline void transpose_rows8(const T* src, int64_t ld, int K, int rows, float* out, int ldo) {
+  if (rows == 0) {
+    for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + int64_t(kk) * ldo, _mm256_setzero_ps());
+    return;
+  }
+  int kk = 0;
+  for (; kk + 8 <= K; kk += 8) {
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = i < rows ? load8(src + i * ld + kk) : _mm256_setzero_ps();
+    transpose8(r);
+    for (int i = 0; i < 8; ++i) _mm256_store_ps(out + int64_t(kk + i) * ldo, r[i]);
+  }
+  for (; kk < K; ++kk) {
+    alignas(32) float col[8];
+    for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[i * ld + kk]) : 0.0f;
+    _mm256_store_ps(out + int64_t(kk) * ldo, _mm256_load_ps(col));
   }
 }
 
@@ -149,18 +166,42 @@ inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32
   w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
 }
 
+// Row n (accumulators c<i>0, c<i>1: two registers of H lanes) of an R-row micro-tile stored to
+// C (ldc floats apart), added to it when accumulating; P is the intrinsics' prefix.
+#define FLASHSDPA_TILE_STORE_ROW(P, H, i, n)                  \
+  if (R > n) {                                               \
+    float* cr = c + int64_t(n) * ldc;                        \
+    if (accumulate) {                                        \
+      c##i##0 = P##_add_ps(c##i##0, P##_loadu_ps(cr));       \
+      c##i##1 = P##_add_ps(c##i##1, P##_loadu_ps(cr + H));   \
+    }                                                        \
+    P##_storeu_ps(cr, c##i##0);                              \
+    P##_storeu_ps(cr + H, c##i##1);                          \
+  }
+
+// The arithmetic of a row-operation vector type (row_ops.h) on an x86 register type: `P` is the
+// intrinsics' prefix (_mm256, _mm512), the rest of each name is shared.
+#define FLASHSDPA_X86_VEC_ARITH(P, REG)                                              \
+  using reg = REG;                                                                 \
+  static reg load(const float* p) { return P##_loadu_ps(p); }                      \
+  static void store(float* p, reg v) { P##_storeu_ps(p, v); }                      \
+  static reg splat(float x) { return P##_set1_ps(x); }                             \
+  static reg add(reg a, reg b) { return P##_add_ps(a, b); }                        \
+  static reg sub(reg a, reg b) { return P##_sub_ps(a, b); }                        \
+  static reg mul(reg a, reg b) { return P##_mul_ps(a, b); }                        \
+  static reg fma(reg a, reg b, reg c) { return P##_fmadd_ps(a, b, c); }            \
+  static reg max(reg a, reg b) { return P##_max_ps(a, b); }                        \
+  static constexpr int kTransposeRows = 8;                                         \
+  template <class T>                                                               \
+  static void transpose_rows(const T* src, int64_t ld, int K, int rows, float* out, \
+                             int ldo) {                                            \
+    transpose_rows8(src, ld, K, rows, out, ldo);                                   \
+  }
+
 // The row operations' vector type (row_ops.h) on ymm.
 struct VecY8 {
-  using reg = __m256;
+  FLASHSDPA_X86_VEC_ARITH(_mm256, __m256)
   static constexpr int W = 8, kSums = 1;  // a second sum costs registers the exp pass needs
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
-  static reg splat(float x) { return _mm256_set1_ps(x); }
-  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
-  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
   static reg exp2(reg x) { return exp2_8(x); }
   static float hsum(reg v) { return hsum8(v); }
   static float hmax(reg v) { return hmax8(v); }
@@ -181,67 +222,7 @@ struct Avx2Ops : GenericOps {
   FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
                        /*transposed_s=*/false)
 
-  using Row = RowOps<VecY8>;
-  template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
-                        float mul) {
-    Row::load_rows(src, ld, rows, cols, dst, ldd, mul);
-  }
-
-  // B[kk][n] = src[kk*ld + n]; panels of 16 columns, zero beyond N.
-  template <class T>
-  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const int n0 = p * NR, w = int(min64(NR, N - n0));
-      float* panel = dst + int64_t(p) * K * NR;
-      const T* s = src + n0;
-      if (w == NR) {
-        for (int kk = 0; kk < K; ++kk, s += ld) {
-          _mm256_store_ps(panel + kk * NR, load8(s));
-          _mm256_store_ps(panel + kk * NR + 8, load8(s + 8));
-        }
-      } else {
-        const int w0 = w < 8 ? w : 8, w1 = w - w0;
-        for (int kk = 0; kk < K; ++kk, s += ld) {
-          _mm256_store_ps(panel + kk * NR, w0 == 8 ? load8(s) : load8_partial(s, w0));
-          _mm256_store_ps(panel + kk * NR + 8, w1 > 0 ? load8_partial(s + 8, w1) : _mm256_setzero_ps());
-        }
-      }
-    }
-  }
-
-  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): 8 rows x 8 columns at a time through an
-  // in-register transpose.
-  template <class T>
-  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      float* panel = dst + int64_t(p) * K * NR;
-      for (int half = 0; half < 2; ++half) {
-        const int n0 = p * NR + half * 8;
-        const int rows = int(max64(0, min64(8, N - n0)));  // source rows present
-        float* out = panel + half * 8;
-        if (rows == 0) {
-          for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + kk * NR, _mm256_setzero_ps());
-          continue;
-        }
-        int kk = 0;
-        for (; kk + 8 <= K; kk += 8) {
-          __m256 r[8];
-          for (int i = 0; i < 8; ++i)
-            r[i] = i < rows ? load8(src + (n0 + i) * ld + kk) : _mm256_setzero_ps();
-          transpose8(r);
-          for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (kk + i) * NR, r[i]);
-        }
-        for (; kk < K; ++kk) {
-          alignas(32) float col[8];
-          for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[(n0 + i) * ld + kk]) : 0.0f;
-          _mm256_store_ps(out + kk * NR, _mm256_load_ps(col));
-        }
-      }
-    }
-  }
+  using Row = RowOps<VecY8>;  // the row operations and operand formats (row_ops.h)
 
   // C tile of R rows x 16 columns (=|+=) A * panel. The 12 accumulators are named variables:
   // GCC does not keep an array of __m256 in registers across an unrolled loop (it spills it).
@@ -271,16 +252,7 @@ struct Avx2Ops : GenericOps {
       FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
     }
 #undef FLASHSDPA_ROW
-#define FLASHSDPA_STORE(i)                                             \
-  if (R > i) {                                                        \
-    float* cr = c + int64_t(i) * ldc;                                 \
-    if (accumulate) {                                                 \
-      c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(cr));          \
-      c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(cr + 8));      \
-    }                                                                 \
-    _mm256_storeu_ps(cr, c##i##0);                                    \
-    _mm256_storeu_ps(cr + 8, c##i##1);                                \
-  }
+#define FLASHSDPA_STORE(i) FLASHSDPA_TILE_STORE_ROW(_mm256, 8, i, i)
     FLASHSDPA_STORE(0) FLASHSDPA_STORE(1) FLASHSDPA_STORE(2)
     FLASHSDPA_STORE(3) FLASHSDPA_STORE(4) FLASHSDPA_STORE(5)
 #undef FLASHSDPA_STORE
@@ -304,17 +276,10 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
-                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    gemm_loop<Avx2Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
-  }
+  FLASHSDPA_TRAIT_GEMM(Avx2Ops)
 
   // S GEMM with the exponentials fused into the tile stores (gemm_exp_loop, generic_ops.h).
-  static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
-                       int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
-    gemm_exp_loop<Avx2Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
-  }
+  FLASHSDPA_TRAIT_GEMM_EXP(Avx2Ops)
 
 
 

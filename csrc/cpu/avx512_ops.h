@@ -43,13 +43,8 @@ inline __m512 exp2_16(__m512 x) {
   const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-151.0f), x);
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
-  __m512 p = _mm512_set1_ps(kExp2C6);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C5));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2C0));
+  const __m512 p = exp2_horner(f, [](float c) { return _mm512_set1_ps(c); },
+                               [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
   return _mm512_scalef_ps(p, n);
 }
 
@@ -64,29 +59,12 @@ inline __m512 exp2_16(__m512 x) {
 #define FLASHSDPA_ZMM_TILE_EACH_ROW(M)                                          \
   M(0, 0) M(1, 1) M(2, 2) M(3, 3) M(4, 4) M(5, 5) M(6, 6) M(7, 7) M(8, 8) M(9, 9) M(a, 10) \
   M(b, 11)
-#define FLASHSDPA_ZMM_TILE_STORE_ROW(i, n)                              \
-  if (R > n) {                                                        \
-    float* cr = c + int64_t(n) * ldc;                                 \
-    if (accumulate) {                                                 \
-      c##i##0 = _mm512_add_ps(c##i##0, _mm512_loadu_ps(cr));          \
-      c##i##1 = _mm512_add_ps(c##i##1, _mm512_loadu_ps(cr + 16));     \
-    }                                                                 \
-    _mm512_storeu_ps(cr, c##i##0);                                    \
-    _mm512_storeu_ps(cr + 16, c##i##1);                               \
-  }
+#define FLASHSDPA_ZMM_TILE_STORE_ROW(i, n) FLASHSDPA_TILE_STORE_ROW(_mm512, 16, i, n)
 
 // The row operations' vector type (row_ops.h) on zmm.
 struct VecZ16 {
-  using reg = __m512;
+  FLASHSDPA_X86_VEC_ARITH(_mm512, __m512)
   static constexpr int W = 16, kSums = 2;
-  static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
-  static reg splat(float x) { return _mm512_set1_ps(x); }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
-  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
-  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg exp2(reg x) { return exp2_16(x); }
   static float hsum(reg v) { return _mm512_reduce_add_ps(v); }
   static float hmax(reg v) { return _mm512_reduce_max_ps(v); }
@@ -126,65 +104,9 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
-  using Row = RowOps<VecZ16>;  // (load_rows stays Avx2Ops': ymm rows)
+  using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
                        /*transposed_s=*/true)
-
-  // B[kk][n] = src[kk*ld + n]; panels of 32 columns, zero beyond N.
-  template <class T>
-  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const int n0 = p * NR, w = int(min64(NR, N - n0));
-      float* panel = dst + int64_t(p) * K * NR;
-      const T* s = src + n0;
-      if (w == NR) {
-        for (int kk = 0; kk < K; ++kk, s += ld) {
-          _mm512_store_ps(panel + kk * NR, load16(s));
-          _mm512_store_ps(panel + kk * NR + 16, load16(s + 16));
-        }
-      } else {
-        const int w0 = w < 16 ? w : 16, w1 = w - w0;
-        for (int kk = 0; kk < K; ++kk, s += ld) {
-          _mm512_store_ps(panel + kk * NR, load16_partial(s, w0));
-          _mm512_store_ps(panel + kk * NR + 16,
-                          w1 > 0 ? load16_partial(s + 16, w1) : _mm512_setzero_ps());
-        }
-      }
-    }
-  }
-
-  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): 8 x 8 in-register transposes, four
-  // groups of 8 source rows per 32-wide panel.
-  template <class T>
-  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      float* panel = dst + int64_t(p) * K * NR;
-      for (int g = 0; g < NR / 8; ++g) {
-        const int n0 = p * NR + g * 8;
-        const int rows = int(max64(0, min64(8, N - n0)));
-        float* out = panel + g * 8;
-        if (rows == 0) {
-          for (int kk = 0; kk < K; ++kk) _mm256_store_ps(out + kk * NR, _mm256_setzero_ps());
-          continue;
-        }
-        int kk = 0;
-        for (; kk + 8 <= K; kk += 8) {
-          __m256 r[8];
-          for (int i = 0; i < 8; ++i)
-            r[i] = i < rows ? load8(src + (n0 + i) * ld + kk) : _mm256_setzero_ps();
-          transpose8(r);
-          for (int i = 0; i < 8; ++i) _mm256_store_ps(out + (kk + i) * NR, r[i]);
-        }
-        for (; kk < K; ++kk) {
-          alignas(32) float col[8];
-          for (int i = 0; i < 8; ++i) col[i] = i < rows ? to_f32(src[(n0 + i) * ld + kk]) : 0.0f;
-          _mm256_store_ps(out + kk * NR, _mm256_load_ps(col));
-        }
-      }
-    }
-  }
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two
@@ -248,18 +170,11 @@ struct Avx512Ops : Avx2Ops {
     }
   }
 
-  template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
-                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    gemm_loop<Avx512Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
-  }
+  FLASHSDPA_TRAIT_GEMM(Avx512Ops)
 
   // (The fused exponentials computed from the accumulators in place, 3 free registers here;
   // AVX2's 16 registers do it out of line.)
-  static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,
-                       int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
-    gemm_exp_loop<Avx512Ops>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);
-  }
+  FLASHSDPA_TRAIT_GEMM_EXP(Avx512Ops)
 
   // The forward's transposed-score path (flash_fwd.h, run_item_t): S^T = K Q^T, its online
   // softmax down the columns (one per query) of st [nk rows (keys) x ncols (queries), ld

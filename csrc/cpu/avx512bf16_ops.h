@@ -59,85 +59,88 @@ struct Avx512Bf16Ops : Avx512Ops {
     return _mm512_permutex2var_epi16(a, idx, b);
   }
 
-  // A rows in bf16 (mul is 1: scale_in_a is false); an odd row length gets a zero pair partner.
-  template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
-                        float mul) {
-    (void)mul;
-    for (int i = 0; i < rows; ++i) {
-      const T* s = src + i * ld;
-      uint16_t* d = bf16_words(dst + int64_t(i) * ldd);
-      for (int c = 0; c < cols; ++c) d[c] = to_bf16_bits(s[c]);
-      if (cols & 1) d[cols] = 0;
-    }
-  }
-
-  // B[kk][n] = src[kk*ld + n] as VNNI-2 panels: word (kp, n) = (B[2kp][n], B[2kp+1][n]).
-  template <class T>
-  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
-    for (int p = 0; p < np; ++p) {
-      const int n0 = p * NR, w = int(min64(NR, N - n0));
-      uint16_t* panel = bf16_words(dst + int64_t(p) * K * NR);
-      for (int kp = 0; kp < kp_n; ++kp) {
-        const T* r0 = src + (2 * kp) * ld + n0;
-        const bool has_r1 = 2 * kp + 1 < K;
-        uint16_t* out = panel + kp * 2 * NR;
-        if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {  // bf16: no conversion
-          const __mmask32 m = w == 32 ? __mmask32(~0u) : __mmask32((1u << w) - 1u);
-          const __m512i a = _mm512_maskz_loadu_epi16(m, r0);
-          const __m512i b = has_r1 ? _mm512_maskz_loadu_epi16(m, r0 + ld) : _mm512_setzero_si512();
-          _mm512_store_si512(out, interleave_lo(a, b));
-          _mm512_store_si512(out + 32, interleave_hi(a, b));
-        } else {
-          for (int n = 0; n < NR; ++n) {
-            out[2 * n] = n < w ? to_bf16_bits(r0[n]) : 0;
-            out[2 * n + 1] = (n < w && has_r1) ? to_bf16_bits(r0[ld + n]) : 0;
-          }
-        }
+  // The row operations on zmm, with this trait's operand formats.
+  struct Row : RowOps<VecZ16> {
+    // A rows in bf16 (mul is 1: scale_in_a is false); an odd row length gets a zero pair partner.
+    template <class T>
+    static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
+                          float mul) {
+      (void)mul;
+      for (int i = 0; i < rows; ++i) {
+        const T* s = src + i * ld;
+        uint16_t* d = bf16_words(dst + int64_t(i) * ldd);
+        for (int c = 0; c < cols; ++c) d[c] = to_bf16_bits(s[c]);
+        if (cols & 1) d[cols] = 0;
       }
     }
-  }
 
-  // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): word (kp, n) is the pair
-  // (K[n][2kp], K[n][2kp+1]), adjacent in K's row, so this is a 32-bit transpose.
-  template <class T>
-  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
-    for (int p = 0; p < np; ++p) {
-      uint32_t* panel = reinterpret_cast<uint32_t*>(dst + int64_t(p) * K * NR);
-      for (int g = 0; g < NR / 8; ++g) {
-        const int n0 = p * NR + g * 8;
-        const int rows = int(max64(0, min64(8, N - n0)));
-        uint32_t* out = panel + g * 8;
-        int kp = 0;
-        if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {
-          for (; rows > 0 && kp + 8 <= K / 2; kp += 8) {  // 8 pairs of 8 rows at a time
-            __m256 r[8];
-            for (int i = 0; i < 8; ++i)
-              r[i] = i < rows ? _mm256_loadu_ps(reinterpret_cast<const float*>(
-                                    src + (n0 + i) * ld + 2 * kp))
-                              : _mm256_setzero_ps();
-            transpose8(r);
-            for (int i = 0; i < 8; ++i)
-              _mm256_store_ps(reinterpret_cast<float*>(out + (kp + i) * NR), r[i]);
-          }
-        }
-        for (; kp < kp_n; ++kp) {
-          for (int i = 0; i < 8; ++i) {
-            uint32_t word = 0;
-            if (i < rows) {
-              const T* row = src + (n0 + i) * ld;
-              const uint32_t lo = to_bf16_bits(row[2 * kp]);
-              const uint32_t hi = 2 * kp + 1 < K ? to_bf16_bits(row[2 * kp + 1]) : 0u;
-              word = lo | (hi << 16);
+    // B[kk][n] = src[kk*ld + n] as VNNI-2 panels: word (kp, n) = (B[2kp][n], B[2kp+1][n]).
+    template <class T>
+    static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+      const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
+      for (int p = 0; p < np; ++p) {
+        const int n0 = p * NR, w = int(min64(NR, N - n0));
+        uint16_t* panel = bf16_words(dst + int64_t(p) * K * NR);
+        for (int kp = 0; kp < kp_n; ++kp) {
+          const T* r0 = src + (2 * kp) * ld + n0;
+          const bool has_r1 = 2 * kp + 1 < K;
+          uint16_t* out = panel + kp * 2 * NR;
+          if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {  // bf16: no conversion
+            const __mmask32 m = w == 32 ? __mmask32(~0u) : __mmask32((1u << w) - 1u);
+            const __m512i a = _mm512_maskz_loadu_epi16(m, r0);
+            const __m512i b = has_r1 ? _mm512_maskz_loadu_epi16(m, r0 + ld) : _mm512_setzero_si512();
+            _mm512_store_si512(out, interleave_lo(a, b));
+            _mm512_store_si512(out + 32, interleave_hi(a, b));
+          } else {
+            for (int n = 0; n < NR; ++n) {
+              out[2 * n] = n < w ? to_bf16_bits(r0[n]) : 0;
+              out[2 * n + 1] = (n < w && has_r1) ? to_bf16_bits(r0[ld + n]) : 0;
             }
-            out[kp * NR + i] = word;
           }
         }
       }
     }
-  }
+
+    // B[kk][n] = src[n*ld + kk] (K^T from the rows of K): word (kp, n) is the pair
+    // (K[n][2kp], K[n][2kp+1]), adjacent in K's row, so this is a 32-bit transpose.
+    template <class T>
+    static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+      const int np = int(ceil_div(N, NR)), kp_n = (K + 1) / 2;
+      for (int p = 0; p < np; ++p) {
+        uint32_t* panel = reinterpret_cast<uint32_t*>(dst + int64_t(p) * K * NR);
+        for (int g = 0; g < NR / 8; ++g) {
+          const int n0 = p * NR + g * 8;
+          const int rows = int(max64(0, min64(8, N - n0)));
+          uint32_t* out = panel + g * 8;
+          int kp = 0;
+          if constexpr (sizeof(T) == 2 && !std::is_same<T, f16_t>::value) {
+            for (; rows > 0 && kp + 8 <= K / 2; kp += 8) {  // 8 pairs of 8 rows at a time
+              __m256 r[8];
+              for (int i = 0; i < 8; ++i)
+                r[i] = i < rows ? _mm256_loadu_ps(reinterpret_cast<const float*>(
+                                      src + (n0 + i) * ld + 2 * kp))
+                                : _mm256_setzero_ps();
+              transpose8(r);
+              for (int i = 0; i < 8; ++i)
+                _mm256_store_ps(reinterpret_cast<float*>(out + (kp + i) * NR), r[i]);
+            }
+          }
+          for (; kp < kp_n; ++kp) {
+            for (int i = 0; i < 8; ++i) {
+              uint32_t word = 0;
+              if (i < rows) {
+                const T* row = src + (n0 + i) * ld;
+                const uint32_t lo = to_bf16_bits(row[2 * kp]);
+                const uint32_t hi = 2 * kp + 1 < K ? to_bf16_bits(row[2 * kp + 1]) : 0u;
+                word = lo | (hi << 16);
+              }
+              out[kp * NR + i] = word;
+            }
+          }
+        }
+      }
+    }
+  };
 
   // fp32 tile -> A operand. TransA = false: rows of pairs along K (as load_rows).
   // TransA = true: pair (kk, kk+1) of column m adjacent: "row" kp = (tile row 2kp, 2kp+1).
@@ -213,11 +216,7 @@ struct Avx512Bf16Ops : Avx512Ops {
     FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ZMM_TILE_STORE_ROW)
   }
 
-  template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
-                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    gemm_loop<Avx512Bf16Ops, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
-  }
+  FLASHSDPA_TRAIT_GEMM(Avx512Bf16Ops)
 };
 
 // The decode path of this tier: Q . K on vdpbf16ps (bf16 Q rows, unscaled; K rows read in place
@@ -227,11 +226,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   FLASHSDPA_TRAIT_CAPS(Avx512Bf16DecodeOps, /*scale_in_a=*/false, /*prep_a=*/false,
                        /*fused_exp=*/false, /*transposed_s=*/false)
 
-  template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
-                        float mul) {
-    Avx512Bf16Ops::load_rows(src, ld, rows, cols, dst, ldd, mul);
-  }
+  using Row = Avx512Bf16Ops::Row;  // bf16 Q rows
 
   // Four keys x two query rows: 8 zmm accumulators over 32-wide chunks of the head dim; each
   // accumulator is folded to 8 lanes and four of them summed by a hadd tree.

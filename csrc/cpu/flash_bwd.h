@@ -22,43 +22,41 @@ namespace FLASHSDPA_TIER_NS {
 
 template <class Ops, class T>
 struct FlashBackward {
+  // One thread's buffers over its scratch (null: sizes only, in total).
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
-    int64_t q, qp, dO, dop, kt, vt, kp, s, pd, dp, dk, dv, dq, mask, a16, total;
+    float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16;
+    int64_t total;
+    Layout(const AttnParams& p, const Blocks& bl, float* scratch = nullptr) {
+      const int64_t bkp = round_up(bl.bk, Ops::NR);
+      const int64_t dp_ = round_up(p.D, Ops::NR);
+      const int64_t dvp = round_up(p.Dv, Ops::NR);
+      ldq = int(p.D);
+      lddo = int(p.Dv);
+      lds = int(bkp);
+      ldd = int(dp_);
+      lddv = int(dvp);
+      Carve c{scratch};
+      q = c.take(int64_t(bl.bq) * p.D);     // Q_blk rows (A operand)
+      qp = c.take(int64_t(bl.bq) * dp_);    // Q_blk panels (B operand of dK += dS^T Q)
+      dO = c.take(int64_t(bl.bq) * p.Dv);   // dO_blk rows (A operand of dP = dO V^T)
+      dop = c.take(int64_t(bl.bq) * dvp);   // dO_blk panels (B operand of dV += Pd^T dO)
+      kt = c.take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
+      vt = c.take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
+      kp = c.take(int64_t(bl.bk) * dp_);    // K_blk panels (dQ += dS K)
+      s = c.take(int64_t(bl.bq) * bkp);     // P
+      pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout only)
+      dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS
+      dk = c.take(int64_t(bl.bk) * dp_);    // dK accumulator
+      dv = c.take(int64_t(bl.bk) * dvp);    // dV accumulator
+      dq = c.take(int64_t(bl.bq) * dp_);    // dQ accumulator
+      mask = c.take(int64_t(bl.bq) * bkp);
+      a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
+      total = c.total;
+    }
   };
-  static Layout layout(const AttnParams& p, const Blocks& bl) {
-    Layout L;
-    const int64_t bkp = round_up(bl.bk, Ops::NR);
-    const int64_t dp_ = round_up(p.D, Ops::NR);
-    const int64_t dvp = round_up(p.Dv, Ops::NR);
-    L.ldq = int(p.D);
-    L.lddo = int(p.Dv);
-    L.lds = int(bkp);
-    L.ldd = int(dp_);
-    L.lddv = int(dvp);
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      const int64_t at = off;
-      off += round_up(n, 16);
-      return at;
-    };
-    L.q = take(int64_t(bl.bq) * p.D);     // Q_blk rows (A operand)
-    L.qp = take(int64_t(bl.bq) * dp_);    // Q_blk panels (B operand of dK += dS^T Q)
-    L.dO = take(int64_t(bl.bq) * p.Dv);   // dO_blk rows (A operand of dP = dO V^T)
-    L.dop = take(int64_t(bl.bq) * dvp);   // dO_blk panels (B operand of dV += Pd^T dO)
-    L.kt = take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
-    L.vt = take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
-    L.kp = take(int64_t(bl.bk) * dp_);    // K_blk panels (dQ += dS K)
-    L.s = take(int64_t(bl.bq) * bkp);     // P
-    L.pd = take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout only)
-    L.dp = take(int64_t(bl.bq) * bkp);    // dP, then dS
-    L.dk = take(int64_t(bl.bk) * dp_);    // dK accumulator
-    L.dv = take(int64_t(bl.bk) * dvp);    // dV accumulator
-    L.dq = take(int64_t(bl.bq) * dp_);    // dQ accumulator
-    L.mask = take(int64_t(bl.bq) * bkp);
-    L.a16 = take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
-    L.total = off;
-    return L;
+  static int64_t scratch_floats(const AttnParams& p, const Blocks& bl) {
+    return Layout(p, bl).total;
   }
 
   // ---- phase BwdDelta: delta = rowsum(dO * O) ---------------------------------------------------
@@ -66,12 +64,10 @@ struct FlashBackward {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
   static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
-    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
-    const int64_t bh = item / n_qb, b = bh / p.Hq, h = bh % p.Hq;
-    const int64_t i0 = (item % n_qb) * bl.bq;
-    const int64_t i1 = min64(p.Lq, i0 + bl.bq);
-    for (int64_t i = i0; i < i1; ++i)
-      *delta_ptr(p, b, h, i) = Ops::Row::dot_row(do_row<T>(p, b, h, i), o_crow<T>(p, b, h, i), int(p.Dv));
+    const QItem it(p, bl, item);
+    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i)
+      *delta_ptr(p, it.b, it.h, i) = Ops::Row::dot_row(do_row<T>(p, it.b, it.h, i),
+                                                       o_crow<T>(p, it.b, it.h, i), int(p.Dv));
   }
 
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
@@ -83,20 +79,16 @@ struct FlashBackward {
     const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
     const float* ds;  // dS
   };
-  static bool tile_ds(const AttnParams& p, const Layout& L, float* scratch, int64_t b, int64_t h,
+  static bool tile_ds(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                       int64_t i0, int nq, int64_t j0, int nk, Tile* tile) {
-    float* qbuf = scratch + L.q;
-    float* dobuf = scratch + L.dO;
-    float* s = scratch + L.s;
-    float* pd = scratch + L.pd;
-    float* dp = scratch + L.dp;
-    MaskTile mt{scratch + L.mask, L.lds, false};
+    float *s = L.s, *pd = L.pd, *dp = L.dp;
+    MaskTile mt{L.mask, L.lds, false};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
 
     // S = Q_blk K_blk^T, then P = 2^(s - lse2)
-    Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, scratch + L.kt, p.D * Ops::NR, s,
+    Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
                               L.lds, false, ct.limit_n());
     const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
     bool any = false;
@@ -121,7 +113,7 @@ struct FlashBackward {
     if (!any) return false;
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
-    Ops::template gemm<false>(nq, nk, int(p.Dv), dobuf, L.lddo, scratch + L.vt, p.Dv * Ops::NR, dp,
+    Ops::template gemm<false>(nq, nk, int(p.Dv), L.dO, L.lddo, L.vt, p.Dv * Ops::NR, dp,
                               L.lds, false, ct.limit_n());
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
@@ -137,24 +129,24 @@ struct FlashBackward {
 
   // Loads the q-side operands of rows [i0, i0 + nq) of head h. The A copy of Q is pre-multiplied
   // by scale*log2(e) (scores in the log2 domain); the Q panels for dK stay unscaled.
-  static void load_q_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
+  static void load_q_side(const AttnParams& p, const Layout& L, int64_t b,
                           int64_t h, int64_t i0, int nq, bool panels) {
-    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.q, L.ldq,
+    Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), L.q, L.ldq,
                    caps<Ops>().scale_in_a ? p.scale * kLog2e : 1.0f);
-    Ops::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dO, L.lddo, 1.0f);
+    Ops::Row::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), L.dO, L.lddo, 1.0f);
     if (panels) {
-      Ops::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), scratch + L.qp);
-      Ops::pack_b(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), scratch + L.dop);
+      Ops::Row::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), L.qp);
+      Ops::Row::pack_b(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), L.dop);
     }
   }
 
   // Packs the kv-side operands of keys [j0, j0 + nk): K^T and V^T panels (S, dP), and K panels
   // (dQ += dS K) when with_k.
-  static void load_kv_side(const AttnParams& p, const Layout& L, float* scratch, int64_t b,
+  static void load_kv_side(const AttnParams& p, const Layout& L, int64_t b,
                            int64_t hk, int64_t j0, int nk, bool with_k) {
-    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, scratch + L.kt);
-    Ops::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, scratch + L.vt);
-    if (with_k) Ops::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), scratch + L.kp);
+    Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, L.kt);
+    Ops::Row::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, L.vt);
+    if (with_k) Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
   }
 
   // The first q block with a row that sees kv block j0: every q block of every query head of
@@ -164,26 +156,26 @@ struct FlashBackward {
   }
 
   // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
-  static void add_dkdv(const AttnParams& p, const Layout& L, float* scratch, int nq, int nk,
+  static void add_dkdv(const AttnParams& p, const Layout& L, int nq, int nk,
                        const Tile& tile, float* dk, float* dv) {
     int lda;
-    const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, scratch + L.a16, &lda);
-    Ops::template gemm<true>(nk, int(p.Dv), nq, a, lda, scratch + L.dop, int64_t(nq) * Ops::NR,
+    const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
+    Ops::template gemm<true>(nk, int(p.Dv), nq, a, lda, L.dop, int64_t(nq) * Ops::NR,
                              dv, L.lddv, true);
-    a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, scratch + L.a16, &lda);
-    Ops::template gemm<true>(nk, int(p.D), nq, a, lda, scratch + L.qp, int64_t(nq) * Ops::NR, dk,
+    a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
+    Ops::template gemm<true>(nk, int(p.D), nq, a, lda, L.qp, int64_t(nq) * Ops::NR, dk,
                              L.ldd, true);
   }
 
   // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
   // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
-  static void add_dq(const AttnParams& p, const Layout& L, float* scratch, int64_t i0, int nq,
+  static void add_dq(const AttnParams& p, const Layout& L, int64_t i0, int nq,
                      int64_t j0, int nk, const Tile& tile, float* dq) {
     const Visibility vis = Visibility::of(p);
     const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
     int lda;
-    const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, scratch + L.a16, &lda);
-    Ops::template gemm<false>(nq, int(p.D), nk, a, lda, scratch + L.kp, int64_t(nk) * Ops::NR,
+    const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, L.a16, &lda);
+    Ops::template gemm<false>(nq, int(p.D), nk, a, lda, L.kp, int64_t(nk) * Ops::NR,
                               dq, L.ldd, true, ct.limit_k());
   }
 
@@ -209,27 +201,23 @@ struct FlashBackward {
     return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
   static void run_dkdv(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    const Layout L = layout(p, bl);
-    const int64_t n_kb = ceil_div(p.Lk, bl.bk);
-    const int64_t bhk = item / n_kb, t = item % n_kb;
-    const int64_t kb = t;  // causal: the first kv blocks have the most rows below them
-    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const int64_t group = p.Hq / p.Hkv;
-    const int64_t j0 = kb * bl.bk;
-    const int nk = int(min64(bl.bk, p.Lk - j0));
-    float* dk = scratch + L.dk;
-    float* dv = scratch + L.dv;
+    const Layout L(p, bl, scratch);
+    const KvItem it(p, bl, item);
+    const int64_t b = it.b, hk = it.hk, j0 = it.j0, group = p.Hq / p.Hkv;
+    const int nk = it.nk;
+    float* dk = L.dk;
+    float* dv = L.dv;
     for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
     for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
 
-    load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/false);
+    load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/false);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
         const int nq = int(min64(bl.bq, p.Lq - i0));
-        load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/true);
+        load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
         Tile tile;
-        if (tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile))
-          add_dkdv(p, L, scratch, nq, nk, tile, dk, dv);
+        if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
+          add_dkdv(p, L, nq, nk, tile, dk, dv);
       }
     }
     store_dkdv(p, L, b, hk, j0, nk, dk, dv);
@@ -240,25 +228,21 @@ struct FlashBackward {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
   static void run_dq(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    const Layout L = layout(p, bl);
-    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
-    const int64_t bh = item / n_qb, t = item % n_qb;
+    const Layout L(p, bl, scratch);
+    const QItem it(p, bl, item);
+    const int64_t b = it.b, h = it.h, hk = it.hk, i0 = it.i0;
+    const int nq = it.nq;
     const Visibility vis = Visibility::of(p);
-    const int64_t qb = vis.bounded ? costliest_q_block(t, n_qb) : t;
-    const int64_t b = bh / p.Hq, h = bh % p.Hq;
-    const int64_t hk = h / (p.Hq / p.Hkv);
-    const int64_t i0 = qb * bl.bq;
-    const int nq = int(min64(bl.bq, p.Lq - i0));
-    float* dq = scratch + L.dq;
+    float* dq = L.dq;
     for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
 
-    load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/false);
+    load_q_side(p, L, b, h, i0, nq, /*panels=*/false);
     for (int64_t j0 = 0; j0 < vis.rows_end(i0, nq); j0 += bl.bk) {
       const int nk = int(min64(bl.bk, p.Lk - j0));
-      load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/true);
+      load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
       Tile tile;
-      if (tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile))
-        add_dq(p, L, scratch, i0, nq, j0, nk, tile, dq);
+      if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
+        add_dq(p, L, i0, nq, j0, nk, tile, dq);
     }
     store_dq(p, L, b, h, i0, nq, dq);
   }
@@ -270,32 +254,32 @@ struct FlashBackward {
   // thread busy, which is why the plan (plan.cpp) picks it by thread count.
   static int64_t fused_items(const AttnParams& p) { return p.B * p.Hkv; }
   static int64_t dq_acc_floats(const AttnParams& p, const Blocks& bl) {
-    return p.B * p.Hq * p.Lq * int64_t(layout(p, bl).ldd);
+    return p.B * p.Hq * p.Lq * int64_t(Layout(p, bl).ldd);
   }
   static void run_fused(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    const Layout L = layout(p, bl);
+    const Layout L(p, bl, scratch);
     const int64_t b = item / p.Hkv, hk = item % p.Hkv;
     const int64_t group = p.Hq / p.Hkv;
     const int64_t head_rows = p.Lq * L.ldd;
     float* dq_heads = p.dq_acc + (b * p.Hq + hk * group) * head_rows;  // the group's dq rows
     for (int64_t x = 0; x < group * head_rows; ++x) dq_heads[x] = 0.0f;
-    float* dk = scratch + L.dk;
-    float* dv = scratch + L.dv;
+    float* dk = L.dk;
+    float* dv = L.dv;
 
     for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
       const int nk = int(min64(bl.bk, p.Lk - j0));
       for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
       for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
-      load_kv_side(p, L, scratch, b, hk, j0, nk, /*with_k=*/true);
+      load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         float* dq_h = dq_heads + (h - hk * group) * head_rows;
         for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
           const int nq = int(min64(bl.bq, p.Lq - i0));
-          load_q_side(p, L, scratch, b, h, i0, nq, /*panels=*/true);
+          load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
           Tile tile;
-          if (!tile_ds(p, L, scratch, b, h, i0, nq, j0, nk, &tile)) continue;
-          add_dkdv(p, L, scratch, nq, nk, tile, dk, dv);
-          add_dq(p, L, scratch, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
+          if (!tile_ds(p, L, b, h, i0, nq, j0, nk, &tile)) continue;
+          add_dkdv(p, L, nq, nk, tile, dk, dv);
+          add_dq(p, L, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
         }
       }
       store_dkdv(p, L, b, hk, j0, nk, dk, dv);

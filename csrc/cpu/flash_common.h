@@ -25,6 +25,44 @@ struct Blocks {
 // the other threads wait at the end, are the cheapest (longest-processing-time first).
 inline int64_t costliest_q_block(int64_t t, int64_t n) { return n - 1 - t; }
 
+// The work items over query blocks, (b, h, q block), and over key blocks, (b, hkv, kv block):
+// where item `item` sits. Query blocks of a head come costliest first under a bounded
+// Visibility (costliest_q_block); key blocks in order (the first have the most rows under them).
+struct QItem {
+  int64_t bh, b, h, hk, i0;
+  int nq;
+  QItem(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
+    bh = item / n_qb;
+    const int64_t t = item % n_qb;
+    const int64_t qb = Visibility::of(p).bounded ? costliest_q_block(t, n_qb) : t;
+    b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv), i0 = qb * bl.bq;
+    nq = int(min64(bl.bq, p.Lq - i0));
+  }
+};
+struct KvItem {
+  int64_t b, hk, j0;
+  int nk;
+  KvItem(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const int64_t n_kb = ceil_div(p.Lk, bl.bk);
+    const int64_t bhk = item / n_kb;
+    b = bhk / p.Hkv, hk = bhk % p.Hkv, j0 = (item % n_kb) * bl.bk;
+    nk = int(min64(bl.bk, p.Lk - j0));
+  }
+};
+
+// A thread's scratch carved into float buffers, each 64-byte aligned, in order. With a null base
+// only the total is counted: the phase plan sizes the scratch that way, with the same code.
+struct Carve {
+  float* base;
+  int64_t total = 0;
+  float* take(int64_t n) {
+    float* at = base ? base + total : nullptr;
+    total += round_up(n, 16);
+    return at;
+  }
+};
+
 // ---- addressing ----------------------------------------------------------------------------------
 template <class T> inline const T* q_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return static_cast<const T*>(p.q) + b * p.q_sb + h * p.q_sh + i * p.q_sl;

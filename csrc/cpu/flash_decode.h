@@ -39,59 +39,50 @@ struct FlashDecode {
   }
   static int64_t n_splits(const AttnParams& p) { return max64(1, ceil_div(p.Lk, split_len(p))); }
 
+  // One thread's buffers over its scratch (null: sizes only, in total).
   struct Layout {
     int ldq, lds, ldacc;
-    int64_t q, s, acc, m, l, mask, total;
+    float *q, *s, *acc, *m, *l, *mask;
+    int64_t total;
+    Layout(const AttnParams& p, float* scratch = nullptr) {
+      const int64_t M = rows(p);
+      ldq = int(p.D);
+      lds = int(round_up(kBlock, 16));
+      ldacc = int(round_up(p.Dv, 16));
+      Carve c{scratch};
+      q = c.take(M * p.D);
+      s = c.take(M * lds);
+      acc = c.take(M * ldacc);
+      m = c.take(M);
+      l = c.take(M);
+      mask = c.take(M * lds);
+      total = c.total;
+    }
   };
-  static Layout layout(const AttnParams& p) {
-    Layout L;
-    const int64_t M = rows(p);
-    L.ldq = int(p.D);
-    L.lds = int(round_up(kBlock, 16));
-    L.ldacc = int(round_up(p.Dv, 16));
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      const int64_t at = off;
-      off += round_up(n, 16);
-      return at;
-    };
-    L.q = take(M * p.D);
-    L.s = take(M * L.lds);
-    L.acc = take(M * L.ldacc);
-    L.m = take(M);
-    L.l = take(M);
-    L.mask = take(M * L.lds);
-    L.total = off;
-    return L;
-  }
+  static int64_t scratch_floats(const AttnParams& p) { return Layout(p).total; }
 
   // Partial results, [B * Hkv * n_splits][M][ldacc + 2]: acc, then m and l.
   static int64_t part_floats(const AttnParams& p) {
-    return p.B * p.Hkv * n_splits(p) * rows(p) * (layout(p).ldacc + 2);
+    return p.B * p.Hkv * n_splits(p) * rows(p) * (Layout(p).ldacc + 2);
   }
   static int64_t split_items(const AttnParams& p) { return p.B * p.Hkv * n_splits(p); }
   static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
 
   // Row r of the folded block: query head h = hk * group + r / Lq, query row i = r % Lq.
   static void run_split(const AttnParams& p, int64_t item, float* scratch) {
-    const Layout L = layout(p);
+    const Layout L(p, scratch);
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
     const int64_t bhk = item / ns, sp = item % ns;
     const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
     const int64_t j_begin = sp * split_len(p), j_end = min64(p.Lk, j_begin + split_len(p));
-    float* q = scratch + L.q;
-    float* s = scratch + L.s;
-    float* acc = scratch + L.acc;
-    float* m = scratch + L.m;
-    float* l = scratch + L.l;
-    float* mbuf = scratch + L.mask;
+    float *q = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l;
     const float scale_log2 = p.scale * kLog2e;
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
 
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
-      Ops::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, q_mul);
+      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, q_mul);
       m[r] = kNegInf;
       l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
@@ -106,7 +97,7 @@ struct FlashDecode {
         const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
         float* madd = nullptr;
         if (p.mask_type != MaskType::None) {
-          madd = mbuf + r * L.lds;
+          madd = L.mask + r * L.lds;
           mask_row_log2(p, b, h, i, j0, nk, madd);
         }
         any |= online_softmax_row<Ops>(s + r * L.lds, nk, s_mul, madd,
@@ -128,12 +119,12 @@ struct FlashDecode {
   }
 
   static void run_merge(const AttnParams& p, int64_t item, float* scratch) {
-    const Layout L = layout(p);
+    const Layout L(p, scratch);
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
     const int64_t b = item / p.Hkv, hk = item % p.Hkv;
     const int64_t ld_part = L.ldacc + 2;
     const float* parts = p.dec_part + item * ns * M * ld_part;
-    float* acc = scratch + L.acc;
+    float* acc = L.acc;
     for (int64_t r = 0; r < M; ++r) {
       float m_all = kNegInf;
       for (int64_t sp = 0; sp < ns; ++sp) {

@@ -25,7 +25,7 @@
 // the panel width, V) panels are packed at all; the online softmax runs down the columns (one
 // per query: vertical vector ops), fused into the tile stores as above with one reference per
 // column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in place.
-// (bench/bench_sdpa.py --mode paths measures each of these paths against its alternative.)
+// (bench/bench_paths.py measures each of these paths against its alternative.)
 #pragma once
 #include "flash_common.h"
 
@@ -38,45 +38,40 @@ struct FlashForward {
   static constexpr float kFusedRescale = 65536.0f;  // 2^16: a row's P sum past this moves m up
   static constexpr float kFusedSumMax = 1e30f;      // past this (or inf / NaN): two-pass path
   static constexpr float kFusedSumMin = 0x1p-40f;   // first block: below this, two-pass path
-  // Scratch (floats) of one thread, carved in this order.
+  // One thread's buffers over its scratch (null: sizes only, in total). `transposed`: the
+  // buffers of the transposed-score items (Phase::ForwardTransposed) too.
   struct Layout {
     int ldq, lds, ldacc, ldt;
-    int64_t q, kt, v, s, acc, m, l, mask, a16, sv, qt, st, at, ct, total;
+    float *q, *kt, *v, *s, *acc, *m, *l, *mask, *a16, *sv, *qt, *st, *at, *ct;
+    int64_t total;
+    Layout(const AttnParams& p, const Blocks& bl, bool transposed, float* scratch = nullptr) {
+      const int64_t bkp = round_up(bl.bk, Ops::NR);
+      const int64_t dvp = round_up(p.Dv, Ops::NR);
+      const int64_t bqp = round_up(bl.bq, Ops::NR);
+      ldq = int(p.D);
+      lds = int(bkp);
+      ldacc = int(dvp);
+      ldt = int(bqp);
+      Carve c{scratch};
+      q = c.take(int64_t(bl.bq) * p.D);
+      kt = c.take(bkp * p.D);
+      v = c.take(int64_t(bl.bk) * dvp);
+      s = c.take(int64_t(bl.bq) * bkp);
+      acc = c.take(int64_t(bl.bq) * dvp);
+      m = c.take(bqp);  // per query row: whole panels of them in the transposed path
+      l = c.take(bqp);
+      mask = c.take(int64_t(bl.bq) * bkp);
+      a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
+      sv = c.take(caps<Ops>().fused_exp ? int64_t(bl.bq) * 16 : 0);
+      qt = c.take(transposed ? bqp * p.D : 0);
+      st = c.take(transposed ? int64_t(bl.bk) * bqp : 0);
+      at = c.take(transposed ? bqp : 0);
+      ct = c.take(transposed ? bqp : 0);
+      total = c.total;
+    }
   };
-
-  // `transposed`: the scratch of the transposed-score items (Phase::ForwardTransposed) too.
-  static Layout layout(const AttnParams& p, const Blocks& bl, bool transposed) {
-    Layout L;
-    const int64_t bkp = round_up(bl.bk, Ops::NR);
-    const int64_t dvp = round_up(p.Dv, Ops::NR);
-    L.ldq = int(p.D);
-    L.lds = int(bkp);
-    L.ldacc = int(dvp);
-    int64_t off = 0;
-    auto take = [&](int64_t n) {
-      const int64_t at = off;
-      off += round_up(n, 16);  // keep every buffer 64-byte aligned
-      return at;
-    };
-    L.q = take(int64_t(bl.bq) * p.D);
-    L.kt = take(bkp * p.D);
-    L.v = take(int64_t(bl.bk) * dvp);
-    L.s = take(int64_t(bl.bq) * bkp);
-    L.acc = take(int64_t(bl.bq) * dvp);
-    const int64_t bqp = round_up(bl.bq, Ops::NR);
-    L.m = take(bqp);  // per query row: whole panels of them in the transposed path
-    L.l = take(bqp);
-    L.mask = take(int64_t(bl.bq) * bkp);
-    L.a16 = take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
-    L.sv = take(caps<Ops>().fused_exp ? int64_t(bl.bq) * 16 : 0);
-    const bool tr = transposed;
-    L.ldt = int(bqp);
-    L.qt = take(tr ? bqp * p.D : 0);
-    L.st = take(tr ? int64_t(bl.bk) * bqp : 0);
-    L.at = take(tr ? bqp : 0);
-    L.ct = take(tr ? bqp : 0);
-    L.total = off;
-    return L;
+  static int64_t scratch_floats(const AttnParams& p, const Blocks& bl, bool transposed) {
+    return Layout(p, bl, transposed).total;
   }
 
   static int64_t num_items(const AttnParams& p, const Blocks& bl) {
@@ -91,13 +86,12 @@ struct FlashForward {
     return round_up(bl.bk, Ops::NR) * p.D + int64_t(bl.bk) * round_up(p.Dv, Ops::NR);
   }
   static void run_pack(const AttnParams& p, const Blocks& bl, int64_t item) {
-    const int64_t n_kb = ceil_div(p.Lk, bl.bk);
-    const int64_t bhk = item / n_kb, b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const int64_t j0 = (item % n_kb) * bl.bk;
-    const int nk = int(min64(bl.bk, p.Lk - j0));
+    const KvItem it(p, bl, item);
+    const int64_t b = it.b, hk = it.hk, j0 = it.j0;
+    const int nk = it.nk;
     float* kt = p.kv_pack + item * pack_block_floats(p, bl);
-    Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
-    Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
+    Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
+    Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
   }
 
   // A fused block's sum (one per query: a row of S, a column of S^T) can be used: not past
@@ -122,42 +116,23 @@ struct FlashForward {
     return alpha;
   }
 
-  // A work item's place: batch, query head, kv head, and its q block's first row and rows.
-  struct ItemPos {
-    int64_t bh, b, h, hk, i0;
-    int nq;
-  };
-  static ItemPos item_pos(const AttnParams& p, const Blocks& bl, int64_t item) {
-    const int64_t n_qb = ceil_div(p.Lq, bl.bq);
-    const int64_t bh = item / n_qb, t = item % n_qb;
-    const int64_t qb = Visibility::of(p).bounded ? costliest_q_block(t, n_qb) : t;
-    const int64_t h = bh % p.Hq, i0 = qb * bl.bq;
-    return ItemPos{bh, bh / p.Hq, h, h / (p.Hq / p.Hkv), i0, int(min64(bl.bq, p.Lq - i0))};
-  }
-
   // The transposed-score item (see the top of the file). Per kv block: fused exponentials
   // against each column's running max (0 on the first block) with the same 2^16 rescale and
   // sum checks as the row path, else the two-pass softmax_cols; padding columns (past nq, zero
   // queries) keep reference 0 and are never read.
   static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>) {
-      const Layout L = layout(p, bl, true);
+      const Layout L(p, bl, true, scratch);
       int64_t fused_blocks = 0;
-      const ItemPos pos = item_pos(p, bl, item);
+      const QItem pos(p, bl, item);
       const int64_t b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
       const int nq = pos.nq;
       const int nqc = int(round_up(nq, 16));
       const int D = int(p.D), Dv = int(p.Dv);
-      float* qt = scratch + L.qt;
-      float* st = scratch + L.st;
-      float* m = scratch + L.m;
-      float* l = scratch + L.l;
-      float* alpha = scratch + L.at;
-      float* acc = scratch + L.acc;
-      float* vp = scratch + L.v;
-      Ops::pack_bt(q_row<T>(p, b, h, i0), p.q_sl, D, nq, qt);
+      float *qt = L.qt, *st = L.st, *m = L.m, *l = L.l, *alpha = L.at, *acc = L.acc, *vp = L.v;
+      Ops::Row::pack_bt(q_row<T>(p, b, h, i0), p.q_sl, D, nq, qt);
       Ops::Row::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
-      float* csum = scratch + L.ct;
+      float* csum = L.ct;
       const int nqp = int(round_up(nq, Ops::NR));
       // padding columns (zero queries) keep reference 0: their P is 1, never read
       for (int c = 0; c < nqp; ++c) m[c] = c < nq ? kNegInf : 0.0f, l[c] = 0.0f, alpha[c] = 1.0f;
@@ -215,7 +190,7 @@ struct FlashForward {
                                 L.ldacc, true);
           continue;
         }
-        Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+        Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
         Ops::template gemm<true>(nq, Dv, nk, st, L.ldt, vp, int64_t(nk) * Ops::NR, acc,
                                  L.ldacc, true);
       }
@@ -230,26 +205,22 @@ struct FlashForward {
   }
 
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
-    const Layout L = layout(p, bl, false);
+    const Layout L(p, bl, false, scratch);
     int64_t fused_blocks = 0;
-    const ItemPos pos = item_pos(p, bl, item);
+    const QItem pos(p, bl, item);
     const int64_t bh = pos.bh, b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
     const int nq = pos.nq;
     const int Dv = int(p.Dv);
 
-    float* qbuf = scratch + L.q;
-    float* s = scratch + L.s;
-    float* acc = scratch + L.acc;
-    float* m = scratch + L.m;
-    float* l = scratch + L.l;
-    MaskTile mt{scratch + L.mask, L.lds, false};
+    float *qbuf = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l;
+    MaskTile mt{L.mask, L.lds, false};
     const float scale_log2 = p.scale * kLog2e;
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
     const bool dropout = p.dropout_p > 0.0f;
 
     // Q_blk [nq, D] in fp32
-    Ops::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
+    Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
     for (int r = 0; r < nq; ++r) {
       m[r] = kNegInf;
       l[r] = 0.0f;
@@ -264,8 +235,8 @@ struct FlashForward {
       const int nk = int(min64(bl.bk, kv_end - j0));
       // K_blk^T and V_blk panels: pre-packed by Phase::PackKV, or packed here
       // (pre-packed V panels hold the whole block's rows, nk_full >= nk under the causal cut)
-      float* kt = scratch + L.kt;
-      float* vp = scratch + L.v;
+      float* kt = L.kt;
+      float* vp = L.v;
       int64_t v_stride = int64_t(nk) * Ops::NR;
       const bool prepacked = p.kv_pack != nullptr;
       if (prepacked) {
@@ -274,7 +245,7 @@ struct FlashForward {
         vp = kt + round_up(bl.bk, Ops::NR) * p.D;
         v_stride = min64(bl.bk, p.Lk - j0) * Ops::NR;
       } else {
-        Ops::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
+        Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
       }
       // S = Q_blk K_blk^T   [nq, nk]. On a tile the causal diagonal crosses, each group of MR
       // rows only computes the columns its last row can see (VisTile).
@@ -295,7 +266,7 @@ struct FlashForward {
             p.mask_type == MaskType::None && !dropout && nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
-          float* sv = scratch + L.sv;
+          float* sv = L.sv;
           for (int64_t x = 0; x < int64_t(nq) * 16; ++x) sv[x] = 0.0f;
           Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv);
           bool finite = true;
@@ -340,9 +311,9 @@ struct FlashForward {
         for (int r = 0; r < nq; ++r) m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
       }
       // acc += P V_blk   [nq, Dv]
-      if (!prepacked) Ops::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+      if (!prepacked) Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
       int ldp;
-      const float* pa = Ops::template prep_a<false>(s, L.lds, nq, nk, scratch + L.a16, &ldp);
+      const float* pa = Ops::template prep_a<false>(s, L.lds, nq, nk, L.a16, &ldp);
       Ops::template gemm<false>(nq, Dv, nk, pa, ldp, vp, v_stride, acc, L.ldacc, true,
                                 ct.limit_k());
     }

@@ -4,13 +4,11 @@
 // The blocked algorithms (flash_fwd.h, flash_bwd.h) only talk to a trait through these members:
 //
 //   NR                   panel width: B operands are packed in panels of NR columns
-//   load_rows<T>         rows of T -> fp32 row-major, times a factor (an A operand)
-//   pack_b<T>            B[kk][n] = src[kk*ld + n]  -> panels   (e.g. V for O += P V)
-//   pack_bt<T>           B[kk][n] = src[n*ld + kk]  -> panels   (e.g. K^T for S = Q K^T)
 //   gemm<TransA>         C[M][Np] (= or +=) A[M][K] * B[K][Np], A row-major or transposed,
 //                        B panels `bstride` floats apart
 //   Row                  the row operations (row_ops.h) on the trait's vector type: score_row,
-//                        exp2_row_sum, scale_row, ds_row, store_row, dot_row, load_rows
+//                        exp2_row_sum, scale_row, ds_row, store_row, dot_row, and the operand
+//                        formats: load_rows (A rows), pack_b / pack_bt (B panels of NR columns)
 //   dropout_row          out = x * keep / (1 - p), keep bits from Philox (scalar.h)
 //   decode_qk, decode_pv short-query kernels on unpacked K / V rows (flash_decode.h)
 #pragma once
@@ -53,13 +51,8 @@ inline vf4 vexp2(vf4 x) {
   const vf4 t = xc + magic;
   const vf4 n = t - magic;
   const vf4 f = xc - n;
-  vf4 p = vsplat(kExp2C6);
-  p = p * f + vsplat(kExp2C5);
-  p = p * f + vsplat(kExp2C4);
-  p = p * f + vsplat(kExp2C3);
-  p = p * f + vsplat(kExp2C2);
-  p = p * f + vsplat(kExp2C1);
-  p = p * f + vsplat(kExp2C0);
+  const vf4 p = exp2_horner(f, [](float c) { return vsplat(c); },
+                            [](vf4 a, vf4 b, vf4 c) { return a * b + c; });
   const vi4 ni = (vi4)t - (vi4)magic;  // the integer n, from the low mantissa bits
   const vf4 scale = (vf4)((ni + 127) << 23);
   return vselect(x != x, x, p * scale);
@@ -100,6 +93,13 @@ struct VecF4 {
   template <class T>
   static void store_n(T* p, reg v, int n) {
     for (int i = 0; i < n; ++i) p[i] = from_f32<T>(v[i]);
+  }
+  static constexpr int kTransposeRows = W;
+  template <class T>
+  static void transpose_rows(const T* src, int64_t ld, int K, int rows, float* out, int ldo) {
+    for (int kk = 0; kk < K; ++kk)
+      for (int i = 0; i < W; ++i)
+        out[int64_t(kk) * ldo + i] = i < rows ? to_f32(src[i * ld + kk]) : 0.0f;
   }
 };
 
@@ -240,6 +240,20 @@ constexpr TraitCaps caps() {
   return Ops::kCaps;
 }
 
+// A trait's gemm (and, with fused_exp, gemm_exp): the loops above around its own micro-tile.
+#define FLASHSDPA_TRAIT_GEMM(Self)                                                           \
+  template <bool TransA>                                                                     \
+  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp,            \
+                   int64_t bstride, float* c, int ldc, bool accumulate,                      \
+                   const RowLimit* lim = nullptr) {                                          \
+    gemm_loop<Self, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);          \
+  }
+#define FLASHSDPA_TRAIT_GEMM_EXP(Self)                                                       \
+  static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,        \
+                       int64_t bstride, float* c, int ldc, const float* mref, float* sumv) { \
+    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);                   \
+  }
+
 // The trait the decode path uses (a tier whose operand format does not suit the short-query
 // kernels specialises this to an fp32 trait).
 template <class Ops>
@@ -259,51 +273,8 @@ struct GenericOps {
   static void thread_end() {}
   static constexpr int kBlockQ = 60;     // forward: query rows per block (a multiple of MR)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
+  using Row = RowOps<VecF4>;  // the row operations and operand formats (row_ops.h)
 
-  // The row operations (row_ops.h) on 4-float vectors; load_rows (fp32 A rows) is a trait
-  // member because tiers with another operand format replace it.
-  using Row = RowOps<VecF4>;
-  template <class T>
-  static void load_rows(const T* src, int64_t ld, int rows, int cols, float* dst, int ldd,
-                        float mul) {
-    Row::load_rows(src, ld, rows, cols, dst, ldd, mul);
-  }
-
-  // Panel layout: panel p holds columns [p*NR, p*NR + NR) as [K][NR]; columns >= N are zero.
-  // B[kk][n] = src[kk*ld + n]: the source rows run along K.
-  template <class T>
-  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const int n0 = p * NR, w = int(min64(NR, N - n0));
-      float* panel = dst + int64_t(p) * K * NR;
-      for (int kk = 0; kk < K; ++kk) {
-        const T* s = src + kk * ld + n0;
-        float* d = panel + int64_t(kk) * NR;
-        int n = 0;
-        for (; n < w; ++n) d[n] = to_f32(s[n]);
-        for (; n < NR; ++n) d[n] = 0.0f;
-      }
-    }
-  }
-
-  // B[kk][n] = src[n*ld + kk]: the source rows run along N (K^T from the rows of K).
-  template <class T>
-  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
-    const int np = int(ceil_div(N, NR));
-    for (int p = 0; p < np; ++p) {
-      const int n0 = p * NR, w = int(min64(NR, N - n0));
-      float* panel = dst + int64_t(p) * K * NR;
-      for (int n = 0; n < NR; ++n) {
-        if (n < w) {
-          const T* s = src + (n0 + n) * ld;
-          for (int kk = 0; kk < K; ++kk) panel[int64_t(kk) * NR + n] = to_f32(s[kk]);
-        } else {
-          for (int kk = 0; kk < K; ++kk) panel[int64_t(kk) * NR + n] = 0.0f;
-        }
-      }
-    }
-  }
 
   // One R x NR tile: C[0..R)[0..NR) (=|+=) sum_kk A[i][kk] * panel[kk][0..NR).
   template <bool TransA, int R>
@@ -330,11 +301,7 @@ struct GenericOps {
     }
   }
 
-  template <bool TransA>
-  static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
-                   float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    gemm_loop<GenericOps, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);
-  }
+  FLASHSDPA_TRAIT_GEMM(GenericOps)
 
   // The A operand of gemm<TransA>(M, N, K, ...) from an fp32 tile (row-major, ld floats):
   // fp32 tiers use the tile itself.
@@ -352,34 +319,18 @@ struct GenericOps {
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
-    for (int j = 0; j < nk; ++j) {
-      const T* kj = k + j * ldk;
-      for (int r = 0; r < M; ++r) {
-        const float* qr = q + int64_t(r) * ldq;
-        vf4 acc = vsplat(0.0f);
-        int d = 0;
-        for (; d + 4 <= D; d += 4)
-          acc += vload(qr + d) * vf4{to_f32(kj[d]), to_f32(kj[d + 1]), to_f32(kj[d + 2]),
-                                      to_f32(kj[d + 3])};
-        float sum = hsum(acc);
-        for (; d < D; ++d) sum += qr[d] * to_f32(kj[d]);
-        s[int64_t(r) * lds + j] = sum;
-      }
-    }
+    for (int j = 0; j < nk; ++j)
+      for (int r = 0; r < M; ++r)
+        s[int64_t(r) * lds + j] = Row::dot_row(q + int64_t(r) * ldq, k + j * ldk, D);
   }
 
   // acc[r*ldacc + d] += sum_j p[r*ldp + j] * v[j*ldv + d] for r < M, d < Dv.
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
                         float* acc, int ldacc) {
-    for (int j = 0; j < nk; ++j) {
-      const T* vj = v + j * ldv;
-      for (int r = 0; r < M; ++r) {
-        const float pj = p[int64_t(r) * ldp + j];
-        float* ar = acc + int64_t(r) * ldacc;
-        for (int d = 0; d < Dv; ++d) ar[d] += pj * to_f32(vj[d]);
-      }
-    }
+    for (int j = 0; j < nk; ++j)
+      for (int r = 0; r < M; ++r)
+        Row::axpy_row(p[int64_t(r) * ldp + j], v + j * ldv, acc + int64_t(r) * ldacc, Dv);
   }
 
   // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p) for c < n (x and out may alias).

@@ -229,6 +229,11 @@ void set_emulated_tier(Isa isa) {
   g_emulated.store(int(isa));
 }
 void clear_emulated_tier() { g_emulated.store(-1); }
+bool emulated_tier_set(Isa* isa) {
+  const int e = g_emulated.load();
+  if (e >= 0) *isa = Isa(e);
+  return e >= 0;
+}
 
 bool emulated_tier_active(DType dt) {
   const int e = g_emulated.load();

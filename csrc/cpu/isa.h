@@ -41,6 +41,10 @@ struct RawCpuid {
   bool amx_permitted = false;  // Linux arch_prctl(ARCH_GET_XCOMP_PERM) includes XTILEDATA
 };
 
+// RawCpuid's fields, as a list (module.cpp reports them and reads fake ones).
+#define FLASHSDPA_RAW_CPUID_FIELDS(X) \
+  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted)
+
 struct CpuFeatures {
   bool x86 = false;
   uint32_t bits = 0;  // bit Feature::f: the CPU (or the OS) has f
@@ -94,6 +98,7 @@ const CpuTier& selected_tier(DType dt);
 // clear_emulated_tier() ends it.
 void set_emulated_tier(Isa isa);
 void clear_emulated_tier();
+bool emulated_tier_set(Isa* isa);  // the emulated tier in effect, if any
 bool emulated_tier_active(DType dt);
 
 }  // namespace cpu

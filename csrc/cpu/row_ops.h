@@ -8,6 +8,11 @@
 //   first_n(x, n, fill): lanes from n on replaced by fill (0 <= n < W)
 //   load_t<T> / load_n<T>(p, n): W (or the first n, the rest 0) elements of T widened to fp32
 //   store_t<T> / store_n<T>(p, v, n): W (or the first n) lanes rounded to T
+//   kTransposeRows, transpose_rows<T>(src, ld, K, rows, out, ldo): out[kk*ldo + i] =
+//     src[i*ld + kk] for i < kTransposeRows (0 for i >= rows), kk < K
+// Operand formats: load_rows, pack_b and pack_bt give the fp32 formats of the GEMMs (A rows; B
+// panels of 2 W columns, [K][2W] each); a trait with another format (avx512bf16_ops.h) gives its
+// Row its own.
 // Rows of scores are padded: a row buffer holds whole vectors past its n columns, and what
 // score_row leaves there (-inf) exp2_row_sum turns into 0.
 #pragma once
@@ -105,13 +110,61 @@ struct RowOps {
   }
 
   // sum_j a[j] * b[j], widened to fp32.
-  template <class T>
-  static float dot_row(const T* a, const T* b, int n) {
+  template <class A, class B>
+  static float dot_row(const A* a, const B* b, int n) {
     reg acc = V::splat(0.0f);
     int j = 0;
     for (; j + W <= n; j += W) acc = V::fma(V::load_t(a + j), V::load_t(b + j), acc);
     if (j < n) acc = V::fma(V::load_n(a + j, n - j), V::load_n(b + j, n - j), acc);
     return V::hsum(acc);
+  }
+
+  // y[j] += a * x[j] for j < n, x widened to fp32.
+  template <class T>
+  static void axpy_row(float a, const T* x, float* y, int n) {
+    const reg av = V::splat(a);
+    int j = 0;
+    for (; j + W <= n; j += W) V::store(y + j, V::fma(av, V::load_t(x + j), V::load(y + j)));
+    if (j < n) V::store_n(y + j, V::fma(av, V::load_n(x + j, n - j), V::load_n(y + j, n - j)), n - j);
+  }
+
+  // B panels: panel p holds columns [p*NR, p*NR + NR) as [K][NR], NR = 2 W, columns >= N zero.
+  // pack_b: B[kk][n] = src[kk*ld + n], the source rows run along K (e.g. V for O += P V).
+  template <class T>
+  static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {
+    constexpr int NR = 2 * W;
+    for (int p = 0; p < int(ceil_div(N, NR)); ++p) {
+      const int n0 = p * NR, w = int(min64(NR, N - n0));
+      float* panel = dst + int64_t(p) * K * NR;
+      const T* s = src + n0;
+      if (w == NR) {
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          V::store(panel + kk * NR, V::load_t(s));
+          V::store(panel + kk * NR + W, V::load_t(s + W));
+        }
+      } else {
+        const int w0 = w < W ? w : W, w1 = w - w0;
+        for (int kk = 0; kk < K; ++kk, s += ld) {
+          V::store(panel + kk * NR, w0 == W ? V::load_t(s) : V::load_n(s, w0));
+          V::store(panel + kk * NR + W, w1 > 0 ? V::load_n(s + W, w1) : V::splat(0.0f));
+        }
+      }
+    }
+  }
+
+  // pack_bt: B[kk][n] = src[n*ld + kk], the source rows run along N (K^T from the rows of K),
+  // kTransposeRows rows at a time.
+  template <class T>
+  static void pack_bt(const T* src, int64_t ld, int K, int N, float* dst) {
+    constexpr int NR = 2 * W, G = V::kTransposeRows;
+    for (int p = 0; p < int(ceil_div(N, NR)); ++p) {
+      float* panel = dst + int64_t(p) * K * NR;
+      for (int g = 0; g < NR / G; ++g) {
+        const int n0 = p * NR + g * G;
+        V::transpose_rows(src + int64_t(n0) * ld, ld, K, int(max64(0, min64(G, N - n0))),
+                          panel + g * G, NR);
+      }
+    }
   }
 
   // dst[i*ldd + c] = mul * src[i*ld + c] for i < rows, c < cols (fp32 rows: an A operand).

@@ -102,18 +102,26 @@ constexpr float kExp2C6 = 0.00015345810970757157f;
 constexpr float kExp2Max = 127.0f, kExp2Min = -127.0f;
 
 // Written branch-free so that loops over it auto-vectorise.
+// The polynomial on f = x - rint(x) in [-0.5, 0.5] by Horner's rule, on floats or on any vector
+// type, given its splat and fused (or not) multiply-add: the scalar, vf4, ymm and zmm exp2.
+template <class R, class Splat, class Fma>
+inline R exp2_horner(R f, Splat splat, Fma fma) {
+  R p = splat(kExp2C6);
+  p = fma(p, f, splat(kExp2C5));
+  p = fma(p, f, splat(kExp2C4));
+  p = fma(p, f, splat(kExp2C3));
+  p = fma(p, f, splat(kExp2C2));
+  p = fma(p, f, splat(kExp2C1));
+  return fma(p, f, splat(kExp2C0));
+}
+
 inline float exp2_poly(float x) {
   float xc = x < kExp2Max ? x : kExp2Max;
   xc = xc > kExp2Min ? xc : kExp2Min;  // NaN -> kExp2Min, restored below
   const float n = __builtin_rintf(xc);
   const float f = xc - n;
-  float p = kExp2C6;
-  p = p * f + kExp2C5;
-  p = p * f + kExp2C4;
-  p = p * f + kExp2C3;
-  p = p * f + kExp2C2;
-  p = p * f + kExp2C1;
-  p = p * f + kExp2C0;
+  const float p = exp2_horner(f, [](float c) { return c; },
+                              [](float a, float b, float c) { return a * b + c; });
   const float scale = bits_f32(uint32_t(int32_t(n) + 127) << 23);
   return x != x ? x : p * scale;
 }

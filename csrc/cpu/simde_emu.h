@@ -47,21 +47,14 @@ inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* mem) {
     if ((k >> i) & 1) r.f32[i] = m[i];
   return simde__m512_from_private(r);
 }
-inline simde__m256i maskz_loadu_epi16_256(simde__mmask16 k, const void* mem) {
-  uint16_t v[16] = {};
+// N 16-bit lanes of a vector type V (simde__m256i: 16, simde__m512i: 32)
+template <class V, int N, class M>
+inline V maskz_loadu_epi16(M k, const void* mem) {
+  uint16_t v[N] = {};
   const uint16_t* m = static_cast<const uint16_t*>(mem);
-  for (int i = 0; i < 16; ++i)
+  for (int i = 0; i < N; ++i)
     if ((k >> i) & 1) v[i] = m[i];
-  simde__m256i r;
-  simde_memcpy(&r, v, sizeof(r));
-  return r;
-}
-inline simde__m512i maskz_loadu_epi16_512(simde__mmask32 k, const void* mem) {
-  uint16_t v[32] = {};
-  const uint16_t* m = static_cast<const uint16_t*>(mem);
-  for (int i = 0; i < 32; ++i)
-    if ((k >> i) & 1) v[i] = m[i];
-  simde__m512i r;
+  V r;
   simde_memcpy(&r, v, sizeof(r));
   return r;
 }
@@ -71,18 +64,12 @@ inline void mask_storeu_ps(void* mem, simde__mmask16 k, simde__m512 a) {
   for (int i = 0; i < 16; ++i)
     if ((k >> i) & 1) m[i] = v.f32[i];
 }
-inline void mask_storeu_epi16_256(void* mem, simde__mmask16 k, simde__m256i a) {
-  uint16_t v[16];
+template <class V, int N, class M>
+inline void mask_storeu_epi16(void* mem, M k, V a) {
+  uint16_t v[N];
   simde_memcpy(v, &a, sizeof(v));
   uint16_t* m = static_cast<uint16_t*>(mem);
-  for (int i = 0; i < 16; ++i)
-    if ((k >> i) & 1) m[i] = v[i];
-}
-inline void mask_storeu_epi16_512(void* mem, simde__mmask32 k, simde__m512i a) {
-  uint16_t v[32];
-  simde_memcpy(v, &a, sizeof(v));
-  uint16_t* m = static_cast<uint16_t*>(mem);
-  for (int i = 0; i < 32; ++i)
+  for (int i = 0; i < N; ++i)
     if ((k >> i) & 1) m[i] = v[i];
 }
 inline simde__m512i cvtepu16_epi32(simde__m256i a) {
@@ -131,15 +118,15 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #undef _mm512_maskz_loadu_ps
 #define _mm512_maskz_loadu_ps(k, p) flashsdpa::emu::maskz_loadu_ps(k, p)
 #undef _mm256_maskz_loadu_epi16
-#define _mm256_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_256(k, p)
+#define _mm256_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16<simde__m256i, 16>(k, p)
 #undef _mm512_maskz_loadu_epi16
-#define _mm512_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16_512(k, p)
+#define _mm512_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16<simde__m512i, 32>(k, p)
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) flashsdpa::emu::mask_storeu_ps(p, k, a)
 #undef _mm256_mask_storeu_epi16
-#define _mm256_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16_256(p, k, a)
+#define _mm256_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16<simde__m256i, 16>(p, k, a)
 #undef _mm512_mask_storeu_epi16
-#define _mm512_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16_512(p, k, a)
+#define _mm512_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16<simde__m512i, 32>(p, k, a)
 #undef _mm512_cvtneps_pbh
 #define _mm512_cvtneps_pbh(v) flashsdpa::emu::cvtneps_pbh(v)
 #undef _mm512_reduce_add_ps

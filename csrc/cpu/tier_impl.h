@@ -35,32 +35,32 @@ struct TierImpl {
       case Phase::ForwardTransposed:
         pl.n_items = FlashForward<Ops, T>::num_items(p, bl);
         pl.scratch_bytes =
-            4 * FlashForward<Ops, T>::layout(p, bl, phase == Phase::ForwardTransposed).total;
+            4 * FlashForward<Ops, T>::scratch_floats(p, bl, phase == Phase::ForwardTransposed);
         break;
       case Phase::BwdDelta:
         pl.n_items = FlashBackward<Ops, T>::delta_items(p, bl);
         break;
       case Phase::BwdDkDv:
         pl.n_items = FlashBackward<Ops, T>::dkdv_items(p, bl);
-        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::scratch_floats(p, bl);
         break;
       case Phase::BwdDq:
         pl.n_items = FlashBackward<Ops, T>::dq_items(p, bl);
-        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::scratch_floats(p, bl);
         break;
       case Phase::BwdFused:
         pl.n_items = FlashBackward<Ops, T>::fused_items(p);
-        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::layout(p, bl).total;
+        pl.scratch_bytes = 4 * FlashBackward<Ops, T>::scratch_floats(p, bl);
         pl.shared_bytes = 4 * FlashBackward<Ops, T>::dq_acc_floats(p, bl);
         break;
       case Phase::DecodeSplit:
         pl.n_items = FlashDecode<Ops, T>::split_items(p);
-        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::layout(p).total;
+        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::scratch_floats(p);
         pl.shared_bytes = 4 * FlashDecode<Ops, T>::part_floats(p);
         break;
       case Phase::DecodeMerge:
         pl.n_items = FlashDecode<Ops, T>::merge_items(p);
-        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::layout(p).total;
+        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::scratch_floats(p);
         break;
       case Phase::kCount:
         break;

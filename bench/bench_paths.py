@@ -1,0 +1,119 @@
+"""The gain of each special kernel path, on the named case it was made for: the plan's own
+choice (the path on) against the same call with the path forced off (flashsdpa._testing.policy),
+interleaved in one process, medians over rounds. A path stays in the code only while its case
+shows a gain here on some tier, and tests/test_paths.py proves that it runs.
+
+    python bench/bench_paths.py                 # every path; JSON in bench/results/paths.json
+    python bench/bench_paths.py --paths transposed,fused_exp --repeats 11
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_sdpa import flops, geomean, make_inputs, make_step, time_case, _flashsdpa  # noqa: E402
+
+import flashsdpa  # noqa: E402
+from flashsdpa import _C, _testing  # noqa: E402
+
+# name (the policy field forced off) -> the case it was made for: (mode, (B, Hq, Hkv, L, D), dtype,
+# causal); and what the path does.
+PATHS = {
+    "transposed": ("fwd", (1, 16, 16, 1024, 64), torch.float32, False),
+    "fused_exp": ("fwd", (1, 16, 16, 1024, 64), torch.float32, True),
+    "prepack": ("fwd", (1, 16, 4, 1024, 128), torch.bfloat16, True),
+    "whole_q": ("fwd", (8, 12, 12, 256, 64), torch.float32, True),
+    "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
+    "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
+}
+WHAT = {
+    "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
+    "fused_exp": "exponentials fused into the S GEMM's tile stores",
+    "prepack": "K^T / V panels packed once for every q block and query head",
+    "whole_q": "one q block per head on short sequences",
+    "fused_bwd": "one backward pass per (batch, kv head) instead of two sweeps",
+    "decode": "split-KV decode for short queries",
+}
+
+
+def run_path(name, repeats):
+    mode, (B, Hq, Hkv, L, D), dtype, causal = PATHS[name]
+    q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, mode)
+    gqa = Hq != Hkv
+    step = make_step(_flashsdpa, q, k, v, causal, gqa, mode)
+
+    def with_policy(on):
+        def call():
+            with _testing.policy(**({} if on else {name: 0})):
+                step()
+        return call
+
+    with _testing.policy():  # what the plan chooses for this case
+        step()
+        chosen = _testing.last_policy()
+    samples = time_case({"on": with_policy(True), "off": with_policy(False)}, repeats,
+                        alternate=True)
+    on, off = (statistics.median(samples[k]) for k in ("on", "off"))
+    Lq = 1 if mode == "decode" else L
+    return {"path": name, "mode": mode, "shape": [B, Hq, Hkv, Lq, L, D],
+            "dtype": str(dtype).replace("torch.", ""), "causal": causal, "tier": chosen["tier"],
+            "plan_takes_it": bool(chosen[name]), "on_ms": on * 1e3, "off_ms": off * 1e3,
+            "gain": off / on, "gflops_on": flops(B, Hq, Lq, L, D, causal, mode) / on * 1e-9}
+
+
+def markdown(meta, rows):
+    lines = [f"paths | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']}", "",
+             "| path | what it does | case (B,H/Hkv,Lq,S,D) | dtype | causal | tier | on ms | "
+             "off ms | gain (off/on) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        B, Hq, Hkv, Lq, S, D = r["shape"]
+        h = f"{Hq}/{Hkv}" if Hq != Hkv else f"{Hq}"
+        taken = "" if r["plan_takes_it"] else " (plan does not take it here)"
+        lines.append(f"| {r['path']} | {WHAT[r['path']]} | {r['mode']} {B},{h},{Lq},{S},{D} | "
+                     f"{r['dtype']} | {'yes' if r['causal'] else 'no'} | {r['tier']}{taken} | "
+                     f"{r['on_ms']:.2f} | {r['off_ms']:.2f} | {r['gain']:.3f}x |")
+    lines += ["", f"geomean gain over {len(rows)} paths: "
+              f"{geomean([r['gain'] for r in rows]):.3f}x"]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "paths.json"))
+    args = ap.parse_args(argv)
+    names = args.paths.split(",")
+    for n in names:
+        if n not in PATHS:
+            ap.error(f"--paths: unknown path {n!r}; choose from {', '.join(PATHS)}")
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = {"mode": "paths", "cpu": _C.cpu_brand(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "flashsdpa": flashsdpa.__version__,
+            "machine": platform.machine(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    rows = []
+    for n in names:
+        rows.append(run_path(n, args.repeats))
+        print(f"{n}: gain {rows[-1]['gain']:.3f}x", flush=True)
+    print(markdown(meta, rows))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\nresults: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

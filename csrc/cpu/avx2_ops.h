@@ -166,6 +166,15 @@ inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32
   w[0] = c0, w[1] = c1, w[2] = c2, w[3] = c3;
 }
 
+// One inner step of row n of an R-row micro-tile (accumulators c<i>0, c<i>1; b0, b1 the panel's
+// row): A[n], broadcast as AV, into two FMAs. P is the intrinsics' prefix.
+#define FLASHSDPA_TILE_FMA_ROW(P, i, n, AV)        \
+  if (R > n) {                                    \
+    const auto av = AV;                           \
+    c##i##0 = P##_fmadd_ps(av, b0, c##i##0);      \
+    c##i##1 = P##_fmadd_ps(av, b1, c##i##1);      \
+  }
+
 // Row n (accumulators c<i>0, c<i>1: two registers of H lanes) of an R-row micro-tile stored to
 // C (ldc floats apart), added to it when accumulating; P is the intrinsics' prefix.
 #define FLASHSDPA_TILE_STORE_ROW(P, H, i, n)                  \
@@ -238,12 +247,8 @@ struct Avx2Ops : GenericOps {
     // A[i][kk]: row i of A, or column i when A is stored transposed
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
     const float* a0 = a;
-#define FLASHSDPA_ROW(i)                                               \
-  if (R > i) {                                                        \
-    const __m256 av = _mm256_broadcast_ss(a0 + (i) * step_i);         \
-    c##i##0 = _mm256_fmadd_ps(av, b0, c##i##0);                       \
-    c##i##1 = _mm256_fmadd_ps(av, b1, c##i##1);                       \
-  }
+#define FLASHSDPA_ROW(i) \
+  FLASHSDPA_TILE_FMA_ROW(_mm256, i, i, _mm256_broadcast_ss(a0 + (i) * step_i))
 #pragma GCC unroll 4
     for (int kk = 0; kk < K; ++kk, a0 += step_k) {
       const __m256 b0 = _mm256_load_ps(panel + kk * NR);

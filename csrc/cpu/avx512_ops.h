@@ -122,12 +122,7 @@ struct Avx512Ops : Avx2Ops {
     FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;
     const float* a0 = a;
-#define FLASHSDPA_ROW(i, n)                                            \
-  if (R > n) {                                                        \
-    const __m512 av = _mm512_set1_ps(a0[(n) * step_i]);               \
-    c##i##0 = _mm512_fmadd_ps(av, b0, c##i##0);                       \
-    c##i##1 = _mm512_fmadd_ps(av, b1, c##i##1);                       \
-  }
+#define FLASHSDPA_ROW(i, n) FLASHSDPA_TILE_FMA_ROW(_mm512, i, n, _mm512_set1_ps(a0[(n) * step_i]))
 #pragma GCC unroll 2
     for (int kk = 0; kk < K; ++kk, a0 += step_k) {
       const __m512 b0 = _mm512_loadu_ps(panel + kk * sb);

@@ -40,7 +40,7 @@ EMU_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DFLASHSDPA_EMULATE"] + (
     ["-isystem", SIMDE] if SIMDE and SIMDE not in ("/usr/include", "/usr/local/include") else [])
 
 GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/plan.cpp", "csrc/driver.cpp", "csrc/routing.cpp",
-                   "csrc/autograd.cpp", "csrc/module.cpp",
+                   "csrc/math_fallback.cpp", "csrc/autograd.cpp", "csrc/module.cpp",
                    "csrc/cpu/isa.cpp"]
 TIER_SOURCE = "csrc/cpu/tier.cpp"  # compiled once per tier build below
 

@@ -1,6 +1,7 @@
 // Autograd for flashsdpa::flash_attn_fwd, in C++ so that a call costs no Python: the backward
 // is flashsdpa::flash_attn_bwd, called through the dispatcher (so torch.compile traces it as one
-// node). The mask gets no gradient (calls whose mask requires grad are routed to PyTorch).
+// node). Gradients flow to query, key, value and sinks; the mask and the ALiBi slopes get none
+// (calls whose mask requires grad are routed to PyTorch).
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -12,19 +13,33 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+at::Tensor or_undefined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+c10::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
 struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                               double dropout_p, bool is_causal, c10::optional<double> scale) {
+                               double dropout_p, bool is_causal, c10::optional<double> scale,
+                               FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
                          .typed<FwdSignature>();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse, rng] = op.call(q, k, v, mask, dropout_p, is_causal, scale);
-    ctx->save_for_backward({q, k, v, mask.has_value() ? *mask : at::Tensor(), out, lse, rng});
+    auto [out, lse, rng] = op.call(q, k, v, mask, dropout_p, is_causal, scale,
+                                   FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
+    ctx->save_for_backward({q, k, v, or_undefined(mask), out, lse, rng, or_undefined(alibi_slopes),
+                            or_undefined(sinks)});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["bottom_right"] = bottom_right;
+    ctx->saved_data["softcap"] = softcap;
     ctx->mark_non_differentiable({lse, rng});
     return {out, lse, rng};
   }
@@ -34,23 +49,28 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                          .findSchemaOrThrow("flashsdpa::flash_attn_bwd", "")
                          .typed<BwdSignature>();
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& mask = saved[3];
-    c10::optional<at::Tensor> opt_mask;
-    if (mask.defined()) opt_mask = mask;
     const at::Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(saved[4]);
-    auto [dq, dk, dv] = op.call(grad_out, saved[0], saved[1], saved[2], saved[4], saved[5],
-                                saved[6], opt_mask, ctx->saved_data["dropout_p"].toDouble(),
-                                ctx->saved_data["is_causal"].toBool(),
-                                ctx->saved_data["scale"].toOptional<double>());
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto& d = ctx->saved_data;
+    auto [dq, dk, dv, dsinks] = op.call(
+        grad_out, saved[0], saved[1], saved[2], saved[4], saved[5], saved[6],
+        defined_or_none(saved[3]), d.at("dropout_p").toDouble(), d.at("is_causal").toBool(),
+        d.at("scale").toOptional<double>(), d.at("window_left").toInt(),
+        d.at("window_right").toInt(), d.at("bottom_right").toBool(), d.at("softcap").toDouble(),
+        defined_or_none(saved[7]), defined_or_none(saved[8]));
+    // one gradient per forward input: q, k, v, mask, dropout_p, is_causal, scale, the variants
+    // (window_left, window_right, bottom_right, softcap, alibi_slopes, sinks), lse_neg_inf
+    return {dq,          dk,          dv,          at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            saved[8].defined() ? dsinks : at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-    c10::optional<double> scale) {
-  auto res = FlashAttnFunction::apply(q, k, v, mask, dropout_p, is_causal, scale);
+    c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
+  auto res = FlashAttnFunction::apply(q, k, v, mask, dropout_p, is_causal, scale,
+                                      FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
   return {res[0], res[1], res[2]};
 }
 

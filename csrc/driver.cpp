@@ -138,7 +138,20 @@ void run_forward(AttnParams& p, const KernelPolicy& pol) {
 void run_backward(AttnParams& p, const KernelPolicy& pol) {
   p.bq = pol.bq, p.bk = pol.bk;
   p.counters = path_counters();
-  run_phase(p, pol, Phase::BwdDelta);
+  const PhasePlan delta = pol.tier->plan(p, Phase::BwdDelta);
+  c10::DataPtr dsink_part;
+  if (p.sinks) p.dsink_part = shared_buffer(4 * delta.n_items, &dsink_part);
+  run_phase(p, pol, Phase::BwdDelta, delta);
+  if (p.sinks) {
+    // the sinks' gradient: each head's items (b, q block) summed in a fixed order
+    const int64_t per_bh = delta.n_items / (p.B * p.Hq);
+    for (int64_t h = 0; h < p.Hq; ++h) {
+      float sum = 0.0f;
+      for (int64_t b = 0; b < p.B; ++b)
+        for (int64_t t = 0; t < per_bh; ++t) sum += p.dsink_part[(b * p.Hq + h) * per_bh + t];
+      p.dsinks[h] = sum;
+    }
+  }
   if (pol.fused_bwd) {
     const PhasePlan fused = pol.tier->plan(p, Phase::BwdFused);
     c10::DataPtr dq_acc;
@@ -166,7 +179,9 @@ void poison(const at::Tensor& t) {
 }
 
 void set_path_counting(bool on) {
-  g_counters.fused_exp_blocks.store(0);
+  for (auto* c : {&g_counters.fused_exp_blocks, &g_counters.fwd_tiles, &g_counters.bwd_tiles,
+                  &g_counters.decode_blocks})
+    c->store(0);
   g_counting.store(on);
 }
 PathCounters* path_counters() { return g_counting.load() ? &g_counters : nullptr; }

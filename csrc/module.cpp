@@ -182,7 +182,8 @@ py::dict kernel_policy_dict(const flashsdpa::KernelPolicy& pol) {
 // backend), via, declined, kernel (the profiler event of what runs), policy (the CPU kernel's).
 py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Tensor> mask,
                        double dropout_p, bool is_causal, c10::optional<double> scale,
-                       bool enable_gqa, const std::string& entry, bool routing_on) {
+                       bool enable_gqa, const std::string& entry, bool routing_on,
+                       FLASHSDPA_VARIANT_PARAMS) {
   using flashsdpa::Backend;
   if (q.device().is_cpu() && at::autocast::is_autocast_enabled(at::kCPU)) {
     const auto dt = at::autocast::get_autocast_dtype(at::kCPU);
@@ -192,12 +193,14 @@ py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<a
     q = cast(q), k = cast(k), v = cast(v);
     if (mask.has_value() && mask->defined()) mask = cast(*mask);
   }
-  const flashsdpa::Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+  const flashsdpa::Call c{q,           k,          v,          mask,          dropout_p,
+                          is_causal,   scale,      enable_gqa, window_left,   window_right,
+                          bottom_right, softcap,   &alibi_slopes, &sinks};
   if (entry != "direct" && entry != "aten")
     throw py::value_error("decide: entry must be 'direct' or 'aten'");
   const flashsdpa::Decision d = flashsdpa::decide(
       c, entry == "direct" ? flashsdpa::Entry::Direct : flashsdpa::Entry::AtenSdpa, routing_on);
-  const char* names[3] = {"cpu", "triton", "pytorch"};
+  const char* names[4] = {"cpu", "triton", "pytorch", "math"};
   py::dict out;
   out["backend"] = names[int(d.backend)];
   out["invalid"] = d.invalid;
@@ -211,11 +214,14 @@ py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<a
   out["kernel"] = "";
   if (d.backend == Backend::CpuKernel) {
     const flashsdpa::Shaped s = flashsdpa::to_4d(q, k, v, mask);
-    const auto plan = flashsdpa::forward_plan(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale);
+    const auto plan = flashsdpa::forward_plan(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale,
+                                              FLASHSDPA_VARIANT_ARGS);
     out["kernel"] = plan.second;
     out["policy"] = kernel_policy_dict(plan.first);
   } else if (d.backend == Backend::Triton) {
     out["kernel"] = "flashsdpa::triton_attn_fwd";
+  } else if (d.backend == Backend::Math) {
+    out["kernel"] = "flashsdpa::variants_math";
   } else if (d.invalid.empty()) {
     out["kernel"] = flashsdpa::pytorch_kernel(c);
   }
@@ -252,6 +258,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decide", &decision_dict, py::arg("query"), py::arg("key"), py::arg("value"),
         py::arg("attn_mask"), py::arg("dropout_p"), py::arg("is_causal"), py::arg("scale"),
         py::arg("enable_gqa"), py::arg("entry"), py::arg("routing_on"),
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::arg("bottom_right") = false,
+        py::arg("softcap") = 0.0, py::arg("alibi_slopes") = py::none(),
+        py::arg("sinks") = py::none(),
         "the routing decision for a call (routing.h), as explain() prints it");
   m.def(
       "set_fallback_logger",
@@ -300,6 +309,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict d;
     const auto* c = flashsdpa::path_counters();
     d["fused_exp_blocks"] = c ? c->fused_exp_blocks.load() : 0;
+    d["fwd_tiles"] = c ? c->fwd_tiles.load() : 0;
+    d["bwd_tiles"] = c ? c->bwd_tiles.load() : 0;
+    d["decode_blocks"] = c ? c->decode_blocks.load() : 0;
     return d;
   });
   t.def(

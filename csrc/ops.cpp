@@ -47,13 +47,15 @@ at::Tensor last_dim_unit_stride(const at::Tensor& t) {
 // kernels (RuntimeError): 4-D CPU tensors in a kernel dtype, key / value batch already
 // broadcast, dropout below 1, head dims the kernels index with 32-bit ints.
 void check_op_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& mask, double dropout_p) {
+                     const c10::optional<at::Tensor>& mask, double dropout_p,
+                     FLASHSDPA_VARIANT_PARAMS) {
   const char* names[3] = {"query", "key", "value"};
   const at::Tensor* ts[3] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i)
     TORCH_CHECK(ts[i]->dim() == 4, "flashsdpa: ", names[i],
                 " must be 4-D (batch, heads, seq_len, head_dim), got ", ts[i]->dim(), "-D");
-  check_sdpa_args(Call{q, k, v, mask, dropout_p, false, c10::nullopt, /*enable_gqa=*/true});
+  check_sdpa_args(Call{q, k, v, mask, dropout_p, false, c10::nullopt, /*enable_gqa=*/true,
+                       window_left, window_right, bottom_right, softcap, &alibi_slopes, &sinks});
   const auto st = q.scalar_type();
   TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
               "flashsdpa: query.dtype must be float32, bfloat16 or float16, got ", st);
@@ -86,6 +88,32 @@ MaskType mask_type_of(const at::Tensor& m) {
   }
 }
 
+
+// What the kernels read of the variants: the slopes and sinks as contiguous fp32 (CPU) tensors,
+// kept alive by the caller for the call.
+struct VariantTensors {
+  at::Tensor alibi, sinks;
+  VariantTensors(const c10::optional<at::Tensor>& alibi_slopes,
+                 const c10::optional<at::Tensor>& sinks_) {
+    if (alibi_slopes.has_value() && alibi_slopes->defined()) alibi = alibi_slopes->contiguous();
+    if (sinks_.has_value() && sinks_->defined()) sinks = sinks_->contiguous();
+  }
+};
+
+void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, bool bottom_right,
+                   double softcap, const VariantTensors& vt, bool lse_neg_inf) {
+  p.win_left = window_left;
+  p.win_right = window_right;
+  p.diag = bottom_right ? p.Lk - p.Lq : 0;
+  p.softcap = float(softcap);
+  if (vt.alibi.defined()) {
+    p.alibi = vt.alibi.data_ptr<float>();
+    p.alibi_sb = vt.alibi.dim() == 2 ? p.Hq : 0;  // (B, H) or (H,) slopes
+    p.alibi_sh = 1;
+  }
+  if (vt.sinks.defined()) p.sinks = vt.sinks.data_ptr<float>();
+  p.lse_empty = lse_neg_inf ? -std::numeric_limits<float>::infinity() : 0.0f;
+}
 
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const c10::optional<at::Tensor>& mask4, double dropout_p, bool causal,
@@ -142,8 +170,8 @@ at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    c10::optional<double> scale) {
-  check_op_inputs(query, key, value, attn_mask, dropout_p);
+    c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
+  check_op_inputs(query, key, value, attn_mask, dropout_p, FLASHSDPA_VARIANT_ARGS);
   const at::Tensor q = last_dim_unit_stride(query);
   const at::Tensor k = last_dim_unit_stride(key);
   const at::Tensor v = last_dim_unit_stride(value);
@@ -159,6 +187,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
 
   AttnParams p;
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(p, window_left, window_right, bottom_right, softcap, vt, lse_neg_inf);
   if (dropout_p > 0.0) {
     draw_dropout_seed(p);
     auto* r = rng.data_ptr<int64_t>();
@@ -178,22 +208,25 @@ std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at:
                                                   const at::Tensor& v,
                                                   const c10::optional<at::Tensor>& mask,
                                                   double dropout_p, bool is_causal,
-                                                  c10::optional<double> scale) {
+                                                  c10::optional<double> scale,
+                                                  FLASHSDPA_VARIANT_PARAMS) {
   c10::optional<at::Tensor> mask4;
   if (mask.has_value() && mask->defined()) mask4 = mask_4d(*mask, q, k.size(2));
   AttnParams p;
   fill_common(p, last_dim_unit_stride(q), last_dim_unit_stride(k), last_dim_unit_stride(v),
               mask4, dropout_p, is_causal, scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
   const KernelPolicy pol = plan_forward(p, /*record=*/false);
   return {pol, forward_event(pol, p.dtype)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, c10::optional<double> scale) {
-  check_op_inputs(query, key, value, attn_mask, dropout_p);
+    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS) {
+  check_op_inputs(query, key, value, attn_mask, dropout_p, FLASHSDPA_VARIANT_ARGS);
   const int64_t B = query.size(0), Hq = query.size(1), Lq = query.size(2), Dv = value.size(3);
   const std::vector<int64_t> o_shape{B, Hq, Lq, Dv};
   TORCH_CHECK(grad_out.sizes() == o_shape, "flashsdpa: grad_out must have shape ", o_shape,
@@ -230,6 +263,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 
   AttnParams p;
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
+  at::Tensor dsinks = at::zeros({vt.sinks.defined() ? Hq : 0}, q.options().dtype(at::kFloat));
+  p.dsinks = dsinks.data_ptr<float>();
   if (dropout_p > 0.0) {
     const at::Tensor rs = rng_state.cpu();
     p.seed = uint64_t(rs.data_ptr<int64_t>()[0]);
@@ -257,7 +294,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     dk.zero_();
     dv.zero_();
   }
-  return {dq, dk, dv};
+  return {dq, dk, dv, dsinks};
 }
 
 }  // namespace flashsdpa
@@ -265,19 +302,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 TORCH_LIBRARY(flashsdpa, m) {
   m.def(
       "flash_attn_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
-      "float dropout_p=0., bool is_causal=False, *, float? scale=None) "
-      "-> (Tensor output, Tensor logsumexp, Tensor rng_state)",
+      "float dropout_p=0., bool is_causal=False, *, float? scale=None, " FLASHSDPA_VARIANT_SCHEMA
+      ", bool lse_neg_inf=False) -> (Tensor output, Tensor logsumexp, Tensor rng_state)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "flash_attn_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask=None, float dropout_p=0., "
-      "bool is_causal=False, *, float? scale=None) "
-      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "bool is_causal=False, *, float? scale=None, " FLASHSDPA_VARIANT_SCHEMA
+      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
   // The direct API (a CompositeImplicitAutograd kernel in routing.cpp): same contract as
   // aten::scaled_dot_product_attention.
   m.def(
       "sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, float dropout_p=0., "
-      "bool is_causal=False, *, float? scale=None, bool enable_gqa=False) -> Tensor",
+      "bool is_causal=False, *, float? scale=None, bool enable_gqa=False, int window_left=-1, "
+      "int window_right=-1, float softcap=0., Tensor? alibi_slopes=None, Tensor? sinks=None) "
+      "-> Tensor",
+      {at::Tag::nondeterministic_seeded});
+  // flash-attn's layout and alignment: q (B, Lq, H, D), k / v (B, Lk, Hkv, D[v]), bottom-right
+  // windows and causal -> (out (B, Lq, H, Dv), logsumexp (B, H, Lq) fp32, -inf for a row that
+  // sees nothing). A CompositeImplicitAutograd kernel in routing.cpp.
+  m.def(
+      "flash_attn(Tensor q, Tensor k, Tensor v, float dropout_p=0., *, float? softmax_scale=None, "
+      "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0., "
+      "Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor out, Tensor logsumexp)",
       {at::Tag::nondeterministic_seeded});
 }
 

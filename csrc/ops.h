@@ -6,27 +6,44 @@
 
 namespace flashsdpa {
 
+// The ops' trailing keyword arguments: which keys a row sees beyond is_causal (a window, its
+// alignment) and the score variants (params.h gives the semantics).
+//   window_left / window_right: -1 unbounded; bottom_right: flash-attn's alignment (the queries
+//   are the last Lq positions) instead of PyTorch's top-left; softcap 0: none; alibi_slopes
+//   fp32 (H,) or (B, H); sinks fp32 (H,), differentiable.
+#define FLASHSDPA_VARIANT_PARAMS                                                         \
+  int64_t window_left, int64_t window_right, bool bottom_right, double softcap,          \
+      const c10::optional<at::Tensor>&alibi_slopes, const c10::optional<at::Tensor>&sinks
+#define FLASHSDPA_VARIANT_TYPES \
+  int64_t, int64_t, bool, double, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&
+#define FLASHSDPA_VARIANT_ARGS window_left, window_right, bottom_right, softcap, alibi_slopes, sinks
+#define FLASHSDPA_VARIANT_SCHEMA                                                          \
+  "int window_left=-1, int window_right=-1, bool bottom_right=False, float softcap=0., " \
+  "Tensor? alibi_slopes=None, Tensor? sinks=None"
+
 using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-    double, bool, c10::optional<double>);
-using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    double, bool, c10::optional<double>, FLASHSDPA_VARIANT_TYPES, bool);
+using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, double, bool,
-    c10::optional<double>);
+    c10::optional<double>, FLASHSDPA_VARIANT_TYPES);
 
 // q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
-// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2])
+// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2]).
+// The logsumexp of a row that sees no key is 0 (PyTorch's convention), or -inf with lse_neg_inf.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-    c10::optional<double> scale);
+    c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf);
 
-// -> (grad_query, grad_key, grad_value), each (B, H, L, D) viewed on a (B, L, H, D) buffer
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
+// -> (grad_query, grad_key, grad_value, grad_sinks), the first three (B, H, L, D) viewed on a
+// (B, L, H, D) buffer; grad_sinks fp32 (H,), empty without sinks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, c10::optional<double> scale);
+    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS);
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 
@@ -37,6 +54,7 @@ std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at:
                                                   const at::Tensor& v,
                                                   const c10::optional<at::Tensor>& mask,
                                                   double dropout_p, bool is_causal,
-                                                  c10::optional<double> scale);
+                                                  c10::optional<double> scale,
+                                                  FLASHSDPA_VARIANT_PARAMS);
 
 }  // namespace flashsdpa

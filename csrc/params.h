@@ -51,7 +51,27 @@ struct AttnParams {
   int64_t m_sb, m_sh, m_sl, m_sk;
 
   float scale;  // softmax scale (1/sqrt(D) by default)
-  bool causal;  // top-left aligned: row i attends to keys j <= i
+  // Which keys row i sees (csrc/cpu/visibility.h): with d = diag, keys j with
+  //   i + d - win_left <= j (win_left >= 0)  and  j <= i + d + win_right (win_right >= 0),
+  // causal meaning win_right = 0. diag is 0 for PyTorch's top-left alignment and Lk - Lq for
+  // flash-attn's bottom-right one.
+  bool causal;
+  int64_t win_left, win_right;  // -1: unbounded
+  int64_t diag;
+
+  // Score variants, applied in this order to s = scale * q.k (natural units):
+  //   softcap > 0:  s = softcap * tanh(s / softcap)
+  //   alibi:        s += -slope[b, h] * |i + diag - j|   (slopes fp32, slope_sb 0 for (H,) slopes)
+  //   mask:         s += mask (bool: -inf where false)
+  //   sinks:        a key per head with score sink[h] (fp32) and no value: it takes probability
+  //                 mass in the softmax's denominator only (lse includes it)
+  float softcap;
+  const float* alibi;
+  int64_t alibi_sb, alibi_sh;
+  const float* sinks;
+  // logsumexp of a row that sees nothing (and has no sink): 0 (PyTorch's fused kernels) or -inf
+  // (flash-attn's API)
+  float lse_empty;
 
   // Dropout on the normalised probabilities: element (b, h, i, j) is kept with probability
   // 1 - dropout_p (then scaled by 1/(1-p)); the keep bit comes from Philox(seed, offset, b, h, i, j).
@@ -70,6 +90,11 @@ struct AttnParams {
   int64_t dv_sb, dv_sh, dv_sl;
   // delta[b, h, i] = sum_d dout[b,h,i,d] * out[b,h,i,d] in fp32, contiguous [B, Hq, Lq].
   float* delta;
+  // Sinks' gradient, per BwdDelta item (b, h, q block): -sum_i exp(sink[h] - lse[i]) delta[i]
+  // over its rows, contiguous [B * Hq * n_q_blocks]; the driver sums the items of each head in
+  // a fixed order into dsinks (Hq).
+  float* dsink_part;
+  float* dsinks;
 
   // Shared buffer written by Phase::PackKV (K^T and V in the tier's fp32 panel layout, one
   // block after another), read by the forward. Null: the forward packs each block itself.
@@ -96,7 +121,15 @@ struct AttnParams {
 
 struct PathCounters {
   std::atomic<int64_t> fused_exp_blocks{0};  // forward kv blocks whose exponentials were fused
+  std::atomic<int64_t> fwd_tiles{0};      // forward (q block, kv block) score tiles computed
+  std::atomic<int64_t> bwd_tiles{0};      // backward (q block, kv block) score tiles computed
+  std::atomic<int64_t> decode_blocks{0};  // decode (split, kv block) score blocks computed
 };
+
+// Adds n to a path counter when counting is on (tests only; one branch otherwise).
+inline void count_path(const AttnParams& p, std::atomic<int64_t> PathCounters::*c, int64_t n) {
+  if (p.counters && n) (p.counters->*c).fetch_add(n);
+}
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
 // driver.cpp runs the loop (at::parallel_for) and the tier runs the items.

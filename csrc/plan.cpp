@@ -77,8 +77,11 @@ KernelPolicy plan_forward(const AttnParams& p, bool record) {
   KernelPolicy pol = base_policy(p);
   const CpuTier& tier = *pol.tier;
   pol.decode = p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
-  pol.transposed = !pol.decode && tier.transposed_s && p.dtype == DType::F32 &&
-                   p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
+  // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
+  const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
+                     p.win_left < 0 && p.win_right < 0 && p.softcap == 0.0f && !p.alibi &&
+                     !p.sinks;
+  pol.transposed = !pol.decode && tier.transposed_s && p.dtype == DType::F32 && plain &&
                    p.k_sl <= INT32_MAX &&  // K's row stride is the GEMM's int lda
                    choose(o.transposed, true);
   pol.fused_exp = tier.fused_exp && choose(o.fused_exp, true);

@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -58,14 +59,15 @@ struct BackendSpec {
   const char* devices_text;  // the same, in words
   int64_t max_head_dim;      // of q / k and of v
   bool needs_triton;         // runs only where Triton is installed
+  bool variants;             // windows, bottom-right alignment, softcap, ALiBi, sinks
 };
-// kBackends[b] describes Backend b; PyTorch's SDPA takes whatever they decline.
+// kBackends[b] describes Backend b.
 const BackendSpec kBackends[] = {
     {Backend::CpuKernel, "flashsdpa CPU kernel", device_bit(c10::DeviceType::CPU), "CPU tensors",
-     int64_t(1) << 16, false},
+     int64_t(1) << 16, false, true},
     {Backend::Triton, "flashsdpa Triton kernels",
      device_bit(c10::DeviceType::XPU) | device_bit(c10::DeviceType::CUDA), "xpu and cuda tensors",
-     256, true},
+     256, true, false},
 };
 // Both flashsdpa backends compute in these input dtypes.
 bool kernel_dtype(at::ScalarType st) {
@@ -113,6 +115,9 @@ std::vector<std::string> not_supported(const BackendSpec& s, const Call& c) {
   if (c.dropout_p >= 1.0) r.push_back("dropout_p == 1 (the output is all zeros)");
   if (has_mask(c) && c.mask->requires_grad() && at::GradMode::is_enabled())
     r.push_back("attn_mask requires grad: flashsdpa computes no mask gradient");
+  if (!s.variants && c.variants())
+    r.push_back(std::string("window, bottom-right alignment, softcap, ALiBi or sinks: not in the ") +
+                s.name + " yet");
   return r;
 }
 
@@ -165,12 +170,35 @@ void decide_aten_flash_cpu(const Call& c, Decision* d) {
 }
 
 // ---- running a decision -------------------------------------------------------------------------
-at::Tensor run_cpu_kernel(const Call& c) {
+const c10::optional<at::Tensor> kNoTensor;
+const c10::optional<at::Tensor>& opt(const c10::optional<at::Tensor>* t) {
+  return t ? *t : kNoTensor;
+}
+
+// flashsdpa::flash_attn_fwd on the call's 4-D views: (out, logsumexp) of those views
+std::tuple<at::Tensor, at::Tensor> run_cpu_kernel_4d(const Call& c, const Shaped& s,
+                                                     bool lse_neg_inf) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
                        .typed<FwdSignature>();
+  auto res = op.call(s.q, s.k, s.v, s.mask, c.dropout_p, c.is_causal, c.scale, c.window_left,
+                     c.window_right, c.bottom_right, c.softcap, opt(c.alibi_slopes),
+                     opt(c.sinks), lse_neg_inf);
+  return {std::get<0>(res), std::get<1>(res)};
+}
+
+at::Tensor run_cpu_kernel(const Call& c) {
   const Shaped s = to_4d(c.q, c.k, c.v, c.mask);
-  at::Tensor out = std::get<0>(op.call(s.q, s.k, s.v, s.mask, c.dropout_p, c.is_causal, c.scale));
+  at::Tensor out = std::get<0>(run_cpu_kernel_4d(c, s, false));
+  return s.squeeze ? out.squeeze(1) : out;
+}
+
+at::Tensor run_math(const Call& c) {
+  const Shaped s = to_4d(c.q, c.k, c.v, c.mask);
+  const Call c4{s.q,         s.k,          s.v,          s.mask,       c.dropout_p,
+                c.is_causal, c.scale,      c.enable_gqa, c.window_left, c.window_right,
+                c.bottom_right, c.softcap, c.alibi_slopes, c.sinks};
+  at::Tensor out = std::get<0>(variants_math(c4, false));
   return s.squeeze ? out.squeeze(1) : out;
 }
 
@@ -188,7 +216,8 @@ std::tuple<at::Tensor, at::Tensor> aten_flash_cpu(const at::Tensor& q, const at:
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
   const Decision d = decide(c, Entry::AtenFlashCpu);
   if (d.backend == Backend::CpuKernel) {
-    auto res = flash_attn_fwd_cpu(q, k, v, attn_mask, 0.0, is_causal, scale);
+    auto res = flash_attn_fwd_cpu(q, k, v, attn_mask, 0.0, is_causal, scale, -1, -1, false, 0.0,
+                                  kNoTensor, kNoTensor, /*lse_neg_inf=*/false);
     return {std::get<0>(res), std::get<1>(res)};
   }
   note_fallback(d);  // e.g. float64: PyTorch's kernel
@@ -205,8 +234,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
   if (decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
     const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
-    return flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
-                              scale);
+    auto g = flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
+                                scale, -1, -1, false, 0.0, kNoTensor, kNoTensor);
+    return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
   }
   return at::native::_scaled_dot_product_flash_attention_cpu_backward(
       grad_out, q, k, v, out, lse, dropout_p, is_causal, attn_mask, scale);
@@ -224,6 +254,7 @@ at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       return std::get<0>(at::_scaled_dot_product_fused_attention_overrideable(
           q, k, v, mask, dropout_p, is_causal, /*return_debug_mask=*/false, scale));
     case Backend::PyTorch:
+    case Backend::Math:  // (never: F.sdpa calls carry no variants)
       break;
   }
   note_fallback(d);
@@ -243,7 +274,10 @@ struct SilentWarnings : c10::WarningHandler {
 // PyTorch's rule for SDPA on CPU (lower_precision_fp): floating inputs run in the autocast dtype.
 at::Tensor sdpa_autocast_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const c10::optional<at::Tensor>& mask, double dropout_p,
-                             bool is_causal, c10::optional<double> scale, bool enable_gqa) {
+                             bool is_causal, c10::optional<double> scale, bool enable_gqa,
+                             int64_t window_left, int64_t window_right, double softcap,
+                             const c10::optional<at::Tensor>& alibi_slopes,
+                             const c10::optional<at::Tensor>& sinks) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
   const auto dt = at::autocast::get_autocast_dtype(at::kCPU);
   const auto cast = [&](const at::Tensor& t) {
@@ -251,12 +285,47 @@ at::Tensor sdpa_autocast_cpu(const at::Tensor& q, const at::Tensor& k, const at:
   };
   c10::optional<at::Tensor> m = mask;
   if (mask.has_value() && mask->defined()) m = cast(*mask);
-  return sdpa(cast(q), cast(k), cast(v), m, dropout_p, is_causal, scale, enable_gqa);
+  return sdpa(cast(q), cast(k), cast(v), m, dropout_p, is_causal, scale, enable_gqa, window_left,
+              window_right, softcap, alibi_slopes, sinks);
 }
 
 }  // namespace
 
 // ---- validation ------------------------------------------------------------------------------------
+namespace {
+// The variants' arguments (after the SDPA ones are known to be valid): "" when valid.
+std::string invalid_variant(const Call& c) {
+  if (c.window_left < -1 || c.window_right < -1)
+    return c10::str("flashsdpa: window_size must be (left, right) with each >= -1 (-1: "
+                    "unbounded), got (", c.window_left, ", ", c.window_right, ")");
+  if (!(c.softcap >= 0.0) || c.softcap == std::numeric_limits<double>::infinity())
+    return c10::str("flashsdpa: softcap must be finite and >= 0 (0: none), got ", c.softcap);
+  // per query head: H = q's heads (1 for 3-D inputs), B its batch
+  const c10::SymInt B = c.q.sym_size(0), H = c.q.dim() == 4 ? c.q.sym_size(1) : c10::SymInt(1);
+  const auto check = [&](const at::Tensor& t, const char* name, bool batched) -> std::string {
+    if (t.scalar_type() != at::kFloat)
+      return c10::str("flashsdpa: ", name, " must be float32, got ", t.scalar_type());
+    if (t.device() != c.q.device())
+      return c10::str("flashsdpa: ", name, " must be on query's device (", c.q.device(),
+                      "), got ", t.device());
+    const bool heads = t.dim() == 1 && holds(t.sym_size(0) == H);
+    const bool both = batched && t.dim() == 2 && holds(t.sym_size(0) == B) &&
+                      holds(t.sym_size(1) == H);
+    if (!heads && !both)
+      return c10::str("flashsdpa: ", name, " must have shape (H,) = (", H, ",)",
+                      batched ? c10::str(" or (B, H) = (", B, ", ", H, ")") : std::string(),
+                      ", got ", t.sym_sizes());
+    return std::string();
+  };
+  if (c.has_alibi()) {
+    const std::string e = check(**c.alibi_slopes, "alibi_slopes", true);
+    if (!e.empty()) return e;
+  }
+  if (c.has_sinks()) return check(**c.sinks, "sinks", false);
+  return std::string();
+}
+}  // namespace
+
 std::string invalid_argument(const Call& c) {
   const char* names[3] = {"query", "key", "value"};
   const at::Tensor* ts[3] = {&c.q, &c.k, &c.v};
@@ -323,7 +392,7 @@ std::string invalid_argument(const Call& c) {
                       " does not broadcast to the attention shape ", c10::SymIntArrayRef(target),
                       " (..., L, S)");
   }
-  return std::string();
+  return invalid_variant(c);
 }
 
 void check_sdpa_args(const Call& c) {
@@ -361,9 +430,14 @@ Decision decide(const Call& c, Entry entry, bool routing_on) {
   if (entry == Entry::Direct) {
     d.backend = first_taker();
     d.declined = d.backend == Backend::PyTorch;
+    // PyTorch's SDPA cannot express the variants (softcap and sinks at all): their math on
+    // PyTorch's ops instead
+    if (d.declined && c.variants()) d.backend = Backend::Math;
     d.via = d.backend == Backend::CpuKernel ? "flashsdpa::flash_attn_fwd"
             : d.backend == Backend::Triton  ? "flashsdpa::triton_attn_fwd"
-                                            : kDeclines;
+            : d.backend == Backend::Math
+                ? "flashsdpa's math on PyTorch ops: no flashsdpa kernel takes the call"
+                : kDeclines;
     return d;
   }
   // Entry::AtenSdpa: what F.scaled_dot_product_attention does with the call.
@@ -450,15 +524,49 @@ Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // ---- the direct API --------------------------------------------------------------------------------
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                c10::optional<double> scale, bool enable_gqa) {
-  const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+                c10::optional<double> scale, bool enable_gqa, int64_t window_left,
+                int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+                const c10::optional<at::Tensor>& sinks) {
+  const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, window_left, window_right,
+               false, softcap, &alibi_slopes, &sinks};
   const Decision d = decide(c, Entry::Direct);
   TORCH_CHECK_VALUE(d.invalid.empty(), d.invalid);
-  if (d.backend == Backend::CpuKernel) return run_cpu_kernel(c);
-  // The Triton kernels are launched from Python (flashsdpa/_api.py sends GPU tensors there
-  // before this op); here only PyTorch remains.
-  note_fallback(d);
-  return run_pytorch(c);
+  switch (d.backend) {
+    case Backend::CpuKernel:
+      return run_cpu_kernel(c);
+    case Backend::Math:
+      return run_math(c);
+    default:
+      // The Triton kernels are launched from Python (flashsdpa/_api.py sends plain GPU calls
+      // there before this op); here only PyTorch remains.
+      note_fallback(d);
+      return run_pytorch(c);
+  }
+}
+
+// flashsdpa::flash_attn: flash-attn's layout (B, L, H, D) and bottom-right alignment.
+std::tuple<at::Tensor, at::Tensor> flash_attn(const at::Tensor& q, const at::Tensor& k,
+                                              const at::Tensor& v, double dropout_p,
+                                              c10::optional<double> softmax_scale, bool causal,
+                                              int64_t window_left, int64_t window_right,
+                                              double softcap,
+                                              const c10::optional<at::Tensor>& alibi_slopes,
+                                              const c10::optional<at::Tensor>& sinks) {
+  const char* names[3] = {"q", "k", "v"};
+  const at::Tensor* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK_VALUE(ts[i]->dim() == 4, "flashsdpa.flash_attn_func: ", names[i],
+                      " must be 4-D (batch, seq_len, heads, head_dim), got ", ts[i]->dim(), "-D");
+  const at::Tensor qt = q.transpose(1, 2), kt = k.transpose(1, 2), vt = v.transpose(1, 2);
+  const c10::optional<at::Tensor> no_mask;
+  const Call c{qt,   kt,          vt,           no_mask, dropout_p, causal, softmax_scale,
+               true, window_left, window_right, true,    softcap,   &alibi_slopes, &sinks};
+  const Decision d = decide(c, Entry::Direct);
+  TORCH_CHECK_VALUE(d.invalid.empty(), d.invalid);
+  const Shaped s{qt, kt, vt, no_mask, false};
+  auto res = d.backend == Backend::CpuKernel ? run_cpu_kernel_4d(c, s, /*lse_neg_inf=*/true)
+                                             : variants_math(c, /*lse_neg_inf=*/true);
+  return {std::get<0>(res).transpose(1, 2), std::get<1>(res)};
 }
 
 // ---- the switch ------------------------------------------------------------------------------------
@@ -507,6 +615,7 @@ bool routing_enabled() {
 
 TORCH_LIBRARY_IMPL(flashsdpa, CompositeImplicitAutograd, m) {
   m.impl("sdpa", &flashsdpa::sdpa);
+  m.impl("flash_attn", &flashsdpa::flash_attn);
 }
 
 TORCH_LIBRARY_IMPL(flashsdpa, AutocastCPU, m) {

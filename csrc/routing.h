@@ -10,7 +10,8 @@
 
 namespace flashsdpa {
 
-// The arguments of one call, as F.scaled_dot_product_attention takes them.
+// The arguments of one call, as F.scaled_dot_product_attention takes them, and the variants
+// flashsdpa adds (ops.h, FLASHSDPA_VARIANT_PARAMS; null tensor pointers: none given).
 struct Call {
   const at::Tensor& q;
   const at::Tensor& k;
@@ -20,6 +21,19 @@ struct Call {
   bool is_causal;
   c10::optional<double> scale;
   bool enable_gqa;
+  int64_t window_left = -1, window_right = -1;
+  bool bottom_right = false;
+  double softcap = 0.0;
+  const c10::optional<at::Tensor>* alibi_slopes = nullptr;
+  const c10::optional<at::Tensor>* sinks = nullptr;
+  bool has_alibi() const { return alibi_slopes && alibi_slopes->has_value() && (*alibi_slopes)->defined(); }
+  bool has_sinks() const { return sinks && sinks->has_value() && (*sinks)->defined(); }
+  // a variant PyTorch's SDPA cannot express beyond a dense mask (and none at all for softcap
+  // and sinks)
+  bool variants() const {
+    return window_left >= 0 || window_right >= 0 || bottom_right || softcap != 0.0 ||
+           has_alibi() || has_sinks();
+  }
 };
 
 // Where a call comes in.
@@ -29,8 +43,10 @@ enum class Entry {
   AtenFlashCpu,  // aten::_scaled_dot_product_flash_attention_for_cpu under enable()
 };
 
-// Who runs it. The flashsdpa backends declare their limits as data (routing.cpp, kBackends).
-enum class Backend { CpuKernel = 0, Triton = 1, PyTorch = 2 };
+// Who runs it. The flashsdpa backends declare their limits as data (routing.cpp, kBackends);
+// PyTorch's SDPA takes the plain calls they decline, and the variants' math on PyTorch ops
+// (math_fallback.cpp) those PyTorch's SDPA cannot express.
+enum class Backend { CpuKernel = 0, Triton = 1, PyTorch = 2, Math = 3 };
 
 struct Decision {
   Backend backend = Backend::PyTorch;
@@ -78,10 +94,18 @@ Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // the profiler event it records.
 std::string pytorch_kernel(const Call& c);
 
-// flashsdpa::sdpa: the direct API on CPU tensors (and, for other devices, PyTorch's SDPA).
+// The variants' semantics (params.h) on PyTorch ops, for calls no flashsdpa kernel takes
+// (float64, devices without a variant kernel): 4-D (B, H, L, D) inputs -> (out, logsumexp),
+// differentiable through PyTorch's autograd, O(L * S) memory. Profiler event
+// "flashsdpa::variants_math".
+std::tuple<at::Tensor, at::Tensor> variants_math(const Call& c, bool lse_neg_inf);
+
+// flashsdpa::sdpa: the direct API in PyTorch's layout and alignment, with the variants.
 at::Tensor sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
-                c10::optional<double> scale, bool enable_gqa);
+                c10::optional<double> scale, bool enable_gqa, int64_t window_left,
+                int64_t window_right, double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+                const c10::optional<at::Tensor>& sinks);
 
 // Install / remove the aten overrides. Idempotent and thread-safe.
 void routing_enable();

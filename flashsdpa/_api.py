@@ -13,28 +13,86 @@ from ._routing import is_enabled
 _sdpa_op = torch.ops.flashsdpa.sdpa.default
 
 
+def _window(window_size):
+    """(left, right) of a window_size argument: a pair of ints, -1 meaning unbounded."""
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"flashsdpa: window_size must be a pair (left, right) of ints, got "
+                         f"{window_size!r}") from None
+
+
+def _variants(window_size, softcap, alibi_slopes, sinks):
+    """The variant keyword arguments of the ops (None when the call asks for none)."""
+    left, right = _window(window_size)
+    if left == -1 and right == -1 and not softcap and alibi_slopes is None and sinks is None:
+        return None
+    return dict(window_left=left, window_right=right, softcap=float(softcap),
+                alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention.
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                 sinks=None):
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention, plus the variants.
 
     Same arguments and semantics: causal masking is top-left aligned, a bool mask means
     "attend where True", a float mask is added to the scores, dropout applies to the attention
     probabilities (p in [0, 1]), scale defaults to 1/sqrt(head_dim), enable_gqa lets key/value
     have fewer heads. Rows with nothing to attend to give 0 (as PyTorch's fused CPU kernel).
-    Differentiable in query, key and value. Calls the kernels cannot take go to PyTorch;
-    `flashsdpa.explain(...)` says which and why. Bad input raises ValueError naming the argument.
-    CPU tensors run the C++ kernels; xpu (and cuda) tensors the Triton kernels.
+    Keyword-only variants (semantics: ../README.md, "Attention variants"): window_size
+    (left, right) keys around each row's diagonal (top-left aligned here, -1 unbounded; causal
+    is right = 0), softcap (s = softcap * tanh(s / softcap)), alibi_slopes (H,) or (B, H)
+    float32 (s -= slope * |i - j|), sinks (H,) float32 (a per-head key with no value,
+    differentiable). Differentiable in query, key, value and sinks. Calls the kernels cannot
+    take go to PyTorch (or, with variants, to flashsdpa's math on PyTorch ops);
+    `flashsdpa.explain(...)` says which and why. Bad input raises ValueError naming the
+    argument. CPU tensors run the C++ kernels; xpu (and cuda) tensors the Triton kernels.
     """
-    if query.device.type in GPU_DEVICE_TYPES:
-        return _gpu.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if scale is None and enable_gqa is False:  # keyword arguments cost ~0.9 us per op call
-        return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal)
+    variants = None
+    if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
+        variants = _variants(window_size, softcap, alibi_slopes, sinks)
+    if variants is None:
+        if query.device.type in GPU_DEVICE_TYPES:
+            return _gpu.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                             enable_gqa)
+        if scale is None and enable_gqa is False:  # keyword arguments cost ~0.9 us per op call
+            return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal)
     return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                    enable_gqa=enable_gqa)
+                    enable_gqa=enable_gqa, **(variants or {}))
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                    deterministic=True, return_lse=False):
+    """flash-attn's flash_attn_func on flashsdpa's kernels: code written for flash-attn runs on
+    CPU by changing the import.
+
+    q (B, Lq, H, D), k / v (B, Lk, Hkv, D[v]) with H a multiple of Hkv (GQA / MQA from the
+    shapes) -> out (B, Lq, H, Dv), and with return_lse also lse (B, H, Lq) float32 (natural log,
+    -inf for a row that sees no key and has no sink). Queries are the last Lq positions
+    (bottom-right alignment): row i sees key j when i + Lk - Lq - left <= j <= i + Lk - Lq +
+    right (window_size = (left, right), -1 unbounded; causal is right = 0). softcap, alibi_slopes
+    ((H,) or (B, H) float32, s -= slope * |i + Lk - Lq - j|) and sinks ((H,) float32,
+    differentiable) as in flashsdpa.scaled_dot_product_attention. deterministic: the backward
+    always is (accepted for flash-attn compatibility). Differentiable in q, k, v and sinks.
+    """
+    del deterministic  # every flashsdpa backward is deterministic
+    left, right = _window(window_size)
+    out, lse = _flash_attn_op(q, k, v, float(dropout_p), softmax_scale=softmax_scale,
+                              causal=bool(causal), window_left=left, window_right=right,
+                              softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+    return (out, lse) if return_lse else out
+
+
+_flash_attn_op = torch.ops.flashsdpa.flash_attn.default
 
 
 # ---- explain ---------------------------------------------------------------------------------------
-def _describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+def _describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                   variants):
     parts = [f"query {tuple(query.shape)} {query.dtype} on {query.device}",
              f"key {tuple(key.shape)}", f"value {tuple(value.shape)}"]
     if attn_mask is not None:
@@ -47,6 +105,13 @@ def _describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, en
         parts.append(f"scale={scale}")
     if enable_gqa:
         parts.append("enable_gqa")
+    if variants.get("window_left", -1) != -1 or variants.get("window_right", -1) != -1:
+        parts.append(f"window_size=({variants['window_left']}, {variants['window_right']})")
+    if variants.get("softcap"):
+        parts.append(f"softcap={variants['softcap']}")
+    for name in ("alibi_slopes", "sinks"):
+        if variants.get(name) is not None:
+            parts.append(f"{name} {tuple(variants[name].shape)}")
     return ", ".join(parts)
 
 
@@ -55,7 +120,7 @@ _PATHS = (("decode", "split-KV decode (short queries; K/V read in place)"),
           ("prepack", "K^T / V panels packed once for every q block"))
 
 
-def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal):
+def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants):
     dt = d["dtype"]  # what runs, after autocast
     tier = d["policy"]["tier"]
     built = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"] and dt in t["dtypes"]]
@@ -74,6 +139,16 @@ def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal):
         features.append(f"grouped-query attention, group {group} (K/V not repeated)")
     if dropout_p > 0:
         features.append(f"dropout p={dropout_p} (Philox keep-mask, regenerated in backward)")
+    left, right = variants.get("window_left", -1), variants.get("window_right", -1)
+    if left != -1 or right != -1:
+        features.append(f"sliding window ({left}, {right}): key blocks outside the band skipped")
+    if variants.get("softcap"):
+        features.append(f"softcap {variants['softcap']} (tanh in the score pass, its derivative "
+                        "in the backward)")
+    if variants.get("alibi_slopes") is not None:
+        features.append("ALiBi bias computed in the score pass")
+    if variants.get("sinks") is not None:
+        features.append("attention sinks in the softmax state (their gradient in the backward)")
     features += [text for key_, text in _PATHS if d["policy"][key_]]
     if features:
         lines.append("  with: " + "; ".join(features))
@@ -83,24 +158,30 @@ def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal):
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-            enable_gqa=False):
+            enable_gqa=False, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+            sinks=None):
     """Which kernel flashsdpa.scaled_dot_product_attention would run for these arguments, or
     why flashsdpa declines them and what runs instead; and what F.scaled_dot_product_attention
     runs in the current routing state. A readable string; its `kernel:` lines name the profiler
-    event of the kernel that runs (a flashsdpa phase, or PyTorch's aten op)."""
+    event of the kernel that runs (a flashsdpa phase, PyTorch's aten op, or
+    flashsdpa::variants_math)."""
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    lines = ["flashsdpa.explain: " + _describe_call(*args)]
-    d = decide(*args, "direct")
+    variants = _variants(window_size, softcap, alibi_slopes, sinks) or {}
+    lines = ["flashsdpa.explain: " + _describe_call(*args, variants)]
+    d = decide(*args, "direct", **variants)
     if d["invalid"]:
         lines.append(f"  invalid arguments, the call raises: {d['invalid']}")
         return "\n".join(lines)
-    if d["backend"] == "pytorch":
+    if d["backend"] in ("pytorch", "math"):
         reasons = d["reasons"]["cpu" if d["target"] == "pytorch" else d["target"]]
         lines.append("  flashsdpa declines:")
         lines += [f"    - {r}" for r in reasons]
-        lines.append("  runs instead: torch.nn.functional.scaled_dot_product_attention")
+        lines.append("  runs instead: " + ("torch.nn.functional.scaled_dot_product_attention"
+                                           if d["backend"] == "pytorch" else
+                                           "flashsdpa's math on PyTorch ops (the variants' "
+                                           "fallback: materialises the scores)"))
     elif d["backend"] == "cpu":
-        lines += _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal)
+        lines += _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants)
     else:
         lines.append(f"  runs: flashsdpa Triton kernels on {query.device.type} (FA2 forward, "
                      "dK/dV + dQ backward; fp32 accumulation, natural-log LSE)")
@@ -108,6 +189,8 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
             lines.append(f"  with: dropout p={dropout_p} (Triton Philox keep-mask, "
                          "regenerated in backward)")
     lines.append(f"  kernel: {d['kernel']}")
+    if variants:  # F.scaled_dot_product_attention has no variant arguments
+        return "\n".join(lines)
     routed = decide(*args, "aten", is_enabled())
     lines.append(f"  F.scaled_dot_product_attention: {routed['via']}")
     lines.append(f"  F.scaled_dot_product_attention kernel: {routed['kernel']}")

@@ -36,10 +36,11 @@ _C.set_fallback_logger(log_fallback)
 
 
 def decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, entry,
-           routing_on=False):
+           routing_on=False, **variants):
     """The routing decision (csrc/routing.h) for a call: a dict (backend, invalid, reasons,
-    target, via, declined, kernel, policy). entry: "direct" (flashsdpa's API) or "aten"
-    (F.scaled_dot_product_attention, given whether routing is on)."""
+    target, via, declined, kernel, policy, dtype). entry: "direct" (flashsdpa's API) or "aten"
+    (F.scaled_dot_product_attention, given whether routing is on). variants: the ops' variant
+    keywords (window_left, window_right, bottom_right, softcap, alibi_slopes, sinks)."""
     return _C.decide(query, key, value, attn_mask, float(dropout_p), bool(is_causal),
                      None if scale is None else float(scale), bool(enable_gqa), entry,
-                     bool(routing_on))
+                     bool(routing_on), **variants)

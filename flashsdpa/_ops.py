@@ -1,17 +1,21 @@
 """The flashsdpa ops: native CPU kernels and autograd (flashsdpa._C), fake kernels here.
 
 torch.ops.flashsdpa.flash_attn_fwd(query, key, value, attn_mask=None, dropout_p=0.,
-                                   is_causal=False, *, scale=None)
+                                   is_causal=False, *, scale=None, <variants>, lse_neg_inf=False)
     -> (output, logsumexp, rng_state)
 torch.ops.flashsdpa.flash_attn_bwd(grad_out, query, key, value, out, logsumexp, rng_state,
-                                   attn_mask=None, dropout_p=0., is_causal=False, *, scale=None)
-    -> (grad_query, grad_key, grad_value)
+                                   attn_mask=None, dropout_p=0., is_causal=False, *, scale=None,
+                                   <variants>)
+    -> (grad_query, grad_key, grad_value, grad_sinks)
+<variants>: window_left=-1, window_right=-1, bottom_right=False, softcap=0., alibi_slopes=None,
+sinks=None (csrc/ops.h, csrc/params.h)
 
 Layouts (the fake kernels below promise exactly what the CPU kernels return):
     output     like torch.empty_like(query) (when head dims match; else contiguous)
     logsumexp  float32 (B, H, L) stored as (B, L, H): natural-log LSE of scale*QK^T + mask
     rng_state  int64 (seed, offset) of the dropout keep-mask; zeros without dropout
-    grads      (B, H, L, D) stored as (B, L, H, D), as PyTorch's CPU kernel lays them out
+    grads      (B, H, L, D) stored as (B, L, H, D), as PyTorch's CPU kernel lays them out;
+               grad_sinks float32 (H,), or (0,) without sinks
 """
 import torch
 
@@ -30,7 +34,9 @@ def _output_like_query(query, dv):
 
 
 @torch.library.register_fake("flashsdpa::flash_attn_fwd")
-def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None):
+def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+              window_left=-1, window_right=-1, bottom_right=False, softcap=0.0,
+              alibi_slopes=None, sinks=None, lse_neg_inf=False):
     batch, heads, seq_q = query.shape[0], query.shape[1], query.shape[2]
     out = _output_like_query(query, value.shape[3])
     lse = query.new_empty((batch, seq_q, heads), dtype=torch.float32).transpose(1, 2)
@@ -40,11 +46,32 @@ def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 @torch.library.register_fake("flashsdpa::flash_attn_bwd")
 def _bwd_fake(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask=None,
-              dropout_p=0.0, is_causal=False, *, scale=None):
+              dropout_p=0.0, is_causal=False, *, scale=None, window_left=-1, window_right=-1,
+              bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None):
     def grad_like(t):
         return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
 
-    return grad_like(query), grad_like(key), grad_like(value)
+    dsinks = query.new_empty((query.shape[1] if sinks is not None else 0,), dtype=torch.float32)
+    return grad_like(query), grad_like(key), grad_like(value), dsinks
 
 # Autograd: a C++ torch::autograd::Function (csrc/autograd.cpp) on the Autograd key, so calls
 # cost no Python; its backward calls flash_attn_bwd through the dispatcher.
+
+
+def _tag_compile_caches():
+    """Inductor's on-disk caches hold compiled code that calls these ops with their schemas as
+    they were: a cache entry made with another build of flashsdpa whose schemas differ would call
+    them with the wrong arguments. The schemas' digest joins torch.compile's cache key."""
+    import hashlib
+
+    import torch.compiler.config as compiler_config
+    schemas = "\n".join(str(op._schema) for op in (
+        flash_attn_fwd, flash_attn_bwd, torch.ops.flashsdpa.sdpa.default,
+        torch.ops.flashsdpa.flash_attn.default))
+    tag = "flashsdpa-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
+    tags = [t for t in compiler_config.cache_key_tag.split(",")
+            if t and not t.startswith("flashsdpa-ops-")]
+    compiler_config.cache_key_tag = ",".join(tags + [tag])
+
+
+_tag_compile_caches()

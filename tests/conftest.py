@@ -30,11 +30,13 @@ ATOL = {
     torch.float32: 2.0 ** -20,   # ~1e-6
     torch.float16: 2.0 ** -10,   # 1 ulp at 1.0
     torch.bfloat16: 2.0 ** -7,   # 1 ulp at 1.0
+    torch.float64: 2.0 ** -45,   # (the math fallback for float64 variants)
 }
 ERR_FACTOR = 2.0
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.float64: "fp64"}
 
 # ---- tiers -----------------------------------------------------------------------------------------
 RUNNABLE_TIERS = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"]]

@@ -34,8 +34,9 @@ def test_layouts_match_pytorch():
     assert out.stride() == ref_out.stride()
     assert lse.stride() == ref_lse.stride()
     torch.testing.assert_close(lse, ref_lse)
-    dq, dk, dv = bwd_op(torch.ones_like(out), q, k, v, out, lse, torch.zeros(2, dtype=torch.long),
-                        None, 0.0, False)
+    dq, dk, dv, _ = bwd_op(torch.ones_like(out), q, k, v, out, lse,
+                           torch.zeros(2, dtype=torch.long),
+                           None, 0.0, False)
     rq, rk, rv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         torch.ones_like(out), q, k, v, ref_out, ref_lse, 0.0, False)
     for ours, theirs in ((dq, rq), (dk, rk), (dv, rv)):

@@ -378,3 +378,15 @@ def test_compile_after_disable_is_pytorch_again():
     flashsdpa.disable()
     c = fresh()
     assert not flash_ranges(lambda: c(q, k, v).sum().backward())
+
+
+def test_compile_cache_key_carries_the_op_schemas():
+    """Inductor caches are keyed by our ops' schemas: code compiled against another build's
+    schemas is never reused (it would call the ops with the wrong arguments)."""
+    import hashlib
+    import torch.compiler.config as compiler_config
+    ops = torch.ops.flashsdpa
+    schemas = "\n".join(str(op.default._schema) for op in (
+        ops.flash_attn_fwd, ops.flash_attn_bwd, ops.sdpa, ops.flash_attn))
+    tag = "flashsdpa-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
+    assert tag in compiler_config.cache_key_tag.split(",")

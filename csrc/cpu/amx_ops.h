@@ -25,8 +25,8 @@ struct AmxOps : Avx512Bf16Ops {
   static constexpr int MR = 32;  // rows per block (and per causal row group)
   static constexpr int kTile = 16;
   static constexpr int kDepth = 32;  // bf16 elements per tile step (16 pairs)
-  FLASHSDPA_TRAIT_CAPS(AmxOps, /*scale_in_a=*/false, /*prep_a=*/true, /*fused_exp=*/false,
-                       /*transposed_s=*/false)
+  FLASHSDPA_TRAIT_CAPS(AmxOps, /*scale_in_a=*/false, /*prep_a=*/true,
+                       /*inner_pack=*/2, /*fused_exp=*/false, /*transposed_s=*/false)
 
   struct alignas(64) TileConfig {
     uint8_t palette_id;
@@ -113,7 +113,8 @@ struct AmxOps : Avx512Bf16Ops {
   template <bool TransA>
   static void gemm(int M, int N, int K, const float* a, int lda, const float* bp, int64_t bstride,
                    float* c, int ldc, bool accumulate, const RowLimit* lim = nullptr) {
-    for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kk) {
+    // (inner steps a band skips start at 0 here: the P columns there are 0)
+    for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {
       const float* panel = bp + p * bstride;
       const float* ai = a + int64_t(i) * lda;
       float* ci = c + p * NR + int64_t(i) * ldc;

@@ -71,6 +71,16 @@ struct VecZ16 {
   static reg first_n(reg x, int n, float fill) {
     return _mm512_mask_blend_ps(tail_mask16(n), splat(fill), x);
   }
+  static reg keep_from(reg x, int n, float fill) {
+    return _mm512_mask_blend_ps(tail_mask16(n), x, splat(fill));
+  }
+  static reg select_lt(reg a, reg b, reg x, reg y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+  }
+  static reg iota(float s) {
+    return _mm512_add_ps(splat(s), _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+                                                 2, 1, 0));
+  }
   template <class T> static reg load_t(const T* p) { return load16(p); }
   template <class T> static reg load_n(const T* p, int n) { return load16_partial(p, n); }
   // 16-bit stores round through the AVX2 halves (plain AVX-512 has no bf16 rounding store)
@@ -105,8 +115,8 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
   using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
-  FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/true,
-                       /*transposed_s=*/true)
+  FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false,
+                       /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/true)
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two

@@ -42,8 +42,8 @@ struct Avx512Bf16Ops : Avx512Ops {
   static constexpr int NR = 32;
   static constexpr int MR = 12;
   // Avx512Ops' fused exponentials and transposed scores take fp32 operands: off here
-  FLASHSDPA_TRAIT_CAPS(Avx512Bf16Ops, /*scale_in_a=*/false, /*prep_a=*/true, /*fused_exp=*/false,
-                       /*transposed_s=*/false)
+  FLASHSDPA_TRAIT_CAPS(Avx512Bf16Ops, /*scale_in_a=*/false, /*prep_a=*/true,
+                       /*inner_pack=*/2, /*fused_exp=*/false, /*transposed_s=*/false)
 
   // Pair (a, b) -> one 32-bit word: a in the low half.
   static inline __m512i interleave_lo(__m512i a, __m512i b) {  // columns 0..15
@@ -224,7 +224,7 @@ struct Avx512Bf16Ops : Avx512Ops {
 // into key pairs in registers).
 struct Avx512Bf16DecodeOps : Avx512Ops {
   FLASHSDPA_TRAIT_CAPS(Avx512Bf16DecodeOps, /*scale_in_a=*/false, /*prep_a=*/false,
-                       /*fused_exp=*/false, /*transposed_s=*/false)
+                       /*inner_pack=*/1, /*fused_exp=*/false, /*transposed_s=*/false)
 
   using Row = Avx512Bf16Ops::Row;  // bf16 Q rows
 

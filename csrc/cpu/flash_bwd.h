@@ -25,7 +25,7 @@ struct FlashBackward {
   // One thread's buffers over its scratch (null: sizes only, in total).
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
-    float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16;
+    float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16, *dcap;
     int64_t total;
     Layout(const AttnParams& p, const Blocks& bl, float* scratch = nullptr) {
       const int64_t bkp = round_up(bl.bk, Ops::NR);
@@ -52,6 +52,7 @@ struct FlashBackward {
       dq = c.take(int64_t(bl.bq) * dp_);    // dQ accumulator
       mask = c.take(int64_t(bl.bq) * bkp);
       a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
+      dcap = c.take(p.softcap != 0.0f ? int64_t(bl.bq) * bkp : 0);  // softcap's derivative
       total = c.total;
     }
   };
@@ -65,16 +66,22 @@ struct FlashBackward {
   }
   static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
     const QItem it(p, bl, item);
-    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i)
-      *delta_ptr(p, it.b, it.h, i) = Ops::Row::dot_row(do_row<T>(p, it.b, it.h, i),
-                                                       o_crow<T>(p, it.b, it.h, i), int(p.Dv));
+    float dsink = 0.0f;
+    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
+      const float delta = Ops::Row::dot_row(do_row<T>(p, it.b, it.h, i),
+                                            o_crow<T>(p, it.b, it.h, i), int(p.Dv));
+      *delta_ptr(p, it.b, it.h, i) = delta;
+      // the sink's dS: P_sink * (0 - delta), its value being 0
+      if (p.sinks) dsink -= exp2_poly((p.sinks[it.h] - *lse_ptr(p, it.b, it.h, i)) * kLog2e) * delta;
+    }
+    if (p.sinks) p.dsink_part[item] = dsink;
   }
 
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
   // Needs the q side (load_q_side) and the K^T, V^T panels (load_kv_side) loaded. Returns false
-  // when every row of the tile is masked (nothing to add). On a tile the causal diagonal crosses,
-  // rows only compute their group's columns (VisTile) and the columns past that are 0
-  // (the dK / dV gemms read P and dS by column).
+  // when every row of the tile is masked (nothing to add). On a tile a band's edge crosses, rows
+  // only compute their group's columns (VisTile) and the columns outside them are 0 (the dK / dV
+  // gemms read P and dS by column). A softcap multiplies dS by its derivative (L.dcap).
   struct Tile {
     const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
     const float* ds;  // dS
@@ -86,6 +93,7 @@ struct FlashBackward {
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
+    count_path(p, &PathCounters::bwd_tiles, 1);
 
     // S = Q_blk K_blk^T, then P = 2^(s - lse2)
     Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
@@ -96,9 +104,11 @@ struct FlashBackward {
       const int64_t i = i0 + r;
       const int w = ct.width(r);
       float* srow = s + int64_t(r) * L.lds;
-      const int valid = ct.cols(r);
-      const float mx = Ops::Row::score_row(srow, w, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
-                                      mt.row(mtile, r), valid);
+      RowScore rs = row_score(p, b, h, i, j0, caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e,
+                              mt.row(mtile, r));
+      rs.lo = ct.first(r), rs.hi = ct.cols(r);
+      if (p.softcap != 0.0f) rs.dcap = L.dcap + int64_t(r) * L.lds;
+      const float mx = Ops::Row::score_row(srow, w, rs);
       if (mx == kNegInf) {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
@@ -118,10 +128,13 @@ struct FlashBackward {
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
       const int w = ct.width(r);
+      const int f = int(min64(ct.group_first(r), w));  // dP's columns: [f, w)
       float* srow = s + int64_t(r) * L.lds;
       float* dprow = dp + int64_t(r) * L.lds;
       if (dropout) Ops::dropout_row(p, bh, i, j0, w, dprow, dprow);
-      Ops::Row::ds_row(srow, dprow, w, *delta_ptr(p, b, h, i));
+      const float* dcap = p.softcap != 0.0f ? L.dcap + int64_t(r) * L.lds + f : nullptr;
+      Ops::Row::ds_row(srow + f, dprow + f, w - f, *delta_ptr(p, b, h, i), dcap);
+      for (int c = 0; c < f; ++c) dprow[c] = 0.0f;
       for (int c = w; c < nk; ++c) dprow[c] = 0.0f;
     }
     return true;
@@ -149,10 +162,14 @@ struct FlashBackward {
     if (with_k) Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
   }
 
-  // The first q block with a row that sees kv block j0: every q block of every query head of
-  // the group from there on, in this order, in both strategies.
+  // The q blocks with a row that sees a key of [j0, j0 + nk): [first, end) (first on the q
+  // block grid). Every q block of every query head of the group in there, in this order, in
+  // both strategies.
   static int64_t first_q_block_row(const AttnParams& p, const Blocks& bl, int64_t j0) {
     return Visibility::of(p).first_row(j0) / bl.bq * bl.bq;
+  }
+  static int64_t q_rows_end(const AttnParams& p, int64_t j0, int nk) {
+    return Visibility::of(p).last_row_end(j0 + nk);
   }
 
   // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
@@ -212,7 +229,7 @@ struct FlashBackward {
 
     load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/false);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-      for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
+      for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < q_rows_end(p, j0, nk); i0 += bl.bq) {
         const int nq = int(min64(bl.bq, p.Lq - i0));
         load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
         Tile tile;
@@ -237,7 +254,8 @@ struct FlashBackward {
     for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
 
     load_q_side(p, L, b, h, i0, nq, /*panels=*/false);
-    for (int64_t j0 = 0; j0 < vis.rows_end(i0, nq); j0 += bl.bk) {
+    for (int64_t j0 = first_kv_block(vis, i0, nq, bl.bk); j0 < vis.rows_end(i0, nq);
+         j0 += bl.bk) {
       const int nk = int(min64(bl.bk, p.Lk - j0));
       load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
       Tile tile;
@@ -273,7 +291,7 @@ struct FlashBackward {
       load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         float* dq_h = dq_heads + (h - hk * group) * head_rows;
-        for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < p.Lq; i0 += bl.bq) {
+        for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < q_rows_end(p, j0, nk); i0 += bl.bq) {
           const int nq = int(min64(bl.bq, p.Lq - i0));
           load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
           Tile tile;

@@ -35,7 +35,7 @@ struct QItem {
     const int64_t n_qb = ceil_div(p.Lq, bl.bq);
     bh = item / n_qb;
     const int64_t t = item % n_qb;
-    const int64_t qb = Visibility::of(p).bounded ? costliest_q_block(t, n_qb) : t;
+    const int64_t qb = Visibility::of(p).hi_bounded ? costliest_q_block(t, n_qb) : t;
     b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv), i0 = qb * bl.bq;
     nq = int(min64(bl.bq, p.Lq - i0));
   }
@@ -142,16 +142,38 @@ struct MaskTile {
   }
 };
 
+// The score variants of the call for row i of head (b, h), over the key block from j0 (without
+// its visible columns, which the caller sets: ct.first / ct.cols or the Visibility's).
+inline RowScore row_score(const AttnParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
+                          float mul, const float* madd) {
+  RowScore r;
+  r.mul = mul;
+  r.cap = p.softcap * kLog2e;
+  if (p.alibi) {
+    r.slope = p.alibi[b * p.alibi_sb + h * p.alibi_sh] * kLog2e;
+    r.center = float(i + p.diag - j0);
+  }
+  r.madd = madd;
+  return r;
+}
+
+// A row's softmax state before its first key: nothing (m = -inf, l = 0), or with a sink its
+// score (m = log2(e) * sink, l = 2^0 = 1): the sink's mass is in l from the start and its
+// value, 0, adds nothing to acc.
+inline void start_row(const AttnParams& p, int64_t h, float* m, float* l) {
+  *m = p.sinks ? p.sinks[h] * kLog2e : kNegInf;
+  *l = p.sinks ? 1.0f : 0.0f;
+}
+
 // One row of the online softmax over a block of scores (srow, log2 domain, w columns computed):
-//   s += mask; causal cut at `valid`; m' = max(m, rowmax); alpha = 2^(m - m');
+//   s = the row's score (RowScore); m' = max(m, rowmax); alpha = 2^(m - m');
 //   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
 // Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
-// (mul: the scale the scores still need, 1 when Q came pre-scaled; P is defined up to the next
-// multiple of 8 past w, as the vector tiers' score_row / exp2_row_sum leave it.)
+// (P is defined up to the next multiple of 8 past w, as score_row / exp2_row_sum leave it.)
 template <class Ops>
-inline bool online_softmax_row(float* srow, int w, float mul, const float* madd, int valid,
-                               float* m, float* l, float* acc_row, int Dv) {
-  const float mx = Ops::Row::score_row(srow, w, mul, madd, valid);
+inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m, float* l,
+                               float* acc_row, int Dv) {
+  const float mx = Ops::Row::score_row(srow, w, rs);
   const float m_new = mx > *m ? mx : *m;
   if (m_new == kNegInf) {
     for (int c = 0; c < int(round_up(w, 8)); ++c) srow[c] = 0.0f;
@@ -166,13 +188,20 @@ inline bool online_softmax_row(float* srow, int w, float mul, const float* madd,
 }
 
 // out = acc / l, lse = ln(2) * (m + log2(l)); rows with nothing to attend to (l == 0, or
-// Lk == 0) give out = 0 and lse = 0, as PyTorch's fused kernel does.
+// Lk == 0) give out = 0 and lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf).
 template <class Ops, class T>
 inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, float m, float l,
                        const float* acc_row) {
   const bool empty = l == 0.0f;
-  *lse_ptr(p, b, h, i) = empty ? 0.0f : (m + __builtin_log2f(l)) * kLn2;
+  *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + __builtin_log2f(l)) * kLn2;
   Ops::Row::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
+}
+
+// The first key block (of the bk grid) a call's rows [i0, i0 + nq) need: the grid, not the band,
+// sets where blocks start, so the blocks (and the order of every sum) do not depend on the q
+// blocking.
+inline int64_t first_kv_block(const Visibility& vis, int64_t i0, int64_t nq, int bk) {
+  return vis.rows_begin(i0, nq) / bk * bk;
 }
 
 }  // namespace FLASHSDPA_TIER_NS

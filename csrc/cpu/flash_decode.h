@@ -32,12 +32,23 @@ struct FlashDecode {
   static constexpr int64_t kTargetItems = 64;
 
   static int64_t rows(const AttnParams& p) { return (p.Hq / p.Hkv) * p.Lq; }
-  static int64_t split_len(const AttnParams& p) {
-    const int64_t n = max64(1, min64(min64(kMaxSplits, ceil_div(kTargetItems, p.B * p.Hkv)),
-                                     ceil_div(p.Lk, kMinSplit)));
-    return round_up(max64(1, ceil_div(p.Lk, n)), kBlock);
+  // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
+  // grid): a sliding window over a long cache spreads its few blocks over every split.
+  static int64_t span_begin(const AttnParams& p) {
+    return Visibility::of(p).rows_begin(0, p.Lq) / kBlock * kBlock;
   }
-  static int64_t n_splits(const AttnParams& p) { return max64(1, ceil_div(p.Lk, split_len(p))); }
+  static int64_t span_end(const AttnParams& p) {
+    return max64(span_begin(p), Visibility::of(p).rows_end(0, p.Lq));
+  }
+  static int64_t split_len(const AttnParams& p) {
+    const int64_t span = span_end(p) - span_begin(p);
+    const int64_t n = max64(1, min64(min64(kMaxSplits, ceil_div(kTargetItems, p.B * p.Hkv)),
+                                     ceil_div(span, kMinSplit)));
+    return round_up(max64(1, ceil_div(span, n)), kBlock);
+  }
+  static int64_t n_splits(const AttnParams& p) {
+    return max64(1, ceil_div(span_end(p) - span_begin(p), split_len(p)));
+  }
 
   // One thread's buffers over its scratch (null: sizes only, in total).
   struct Layout {
@@ -74,7 +85,8 @@ struct FlashDecode {
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
     const int64_t bhk = item / ns, sp = item % ns;
     const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const int64_t j_begin = sp * split_len(p), j_end = min64(p.Lk, j_begin + split_len(p));
+    const int64_t j_begin = span_begin(p) + sp * split_len(p);
+    const int64_t j_end = min64(span_end(p), j_begin + split_len(p));
     float *q = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l;
     const float scale_log2 = p.scale * kLog2e;
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
@@ -83,14 +95,14 @@ struct FlashDecode {
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
       Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, q_mul);
-      m[r] = kNegInf;
+      m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
     }
     const Visibility vis = Visibility::of(p);
-    const int64_t kv_end = min64(j_end, vis.rows_end(0, p.Lq));  // no row sees past it
-    for (int64_t j0 = j_begin; j0 < kv_end; j0 += kBlock) {
-      const int nk = int(min64(kBlock, kv_end - j0));
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlock) {
+      const int nk = int(min64(kBlock, j_end - j0));
+      count_path(p, &PathCounters::decode_blocks, 1);
       Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
       bool any = false;
       for (int64_t r = 0; r < M; ++r) {
@@ -100,9 +112,10 @@ struct FlashDecode {
           madd = L.mask + r * L.lds;
           mask_row_log2(p, b, h, i, j0, nk, madd);
         }
-        any |= online_softmax_row<Ops>(s + r * L.lds, nk, s_mul, madd,
-                                       vis.row_cols(i, j0, nk), &m[r], &l[r],
-                                       acc + r * L.ldacc, int(p.Dv));
+        RowScore rs = row_score(p, b, h, i, j0, s_mul, madd);
+        rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
+        any |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &m[r], &l[r], acc + r * L.ldacc,
+                                       int(p.Dv));
       }
       if (any)
         Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,
@@ -126,12 +139,15 @@ struct FlashDecode {
     const float* parts = p.dec_part + item * ns * M * ld_part;
     float* acc = L.acc;
     for (int64_t r = 0; r < M; ++r) {
-      float m_all = kNegInf;
+      const int64_t h = hk * group + r / p.Lq;
+      float m_sink, l_all;
+      start_row(p, h, &m_sink, &l_all);  // the sink, if any: in the merged state once
+      float m_all = m_sink;
       for (int64_t sp = 0; sp < ns; ++sp) {
         const float ms = parts[(sp * M + r) * ld_part + L.ldacc];
         m_all = ms > m_all ? ms : m_all;
       }
-      float l_all = 0.0f;
+      if (p.sinks) l_all = exp2_poly(m_sink - m_all);
       float* ar = acc + r * L.ldacc;
       for (int d = 0; d < int(p.Dv); ++d) ar[d] = 0.0f;
       if (m_all != kNegInf) {
@@ -143,7 +159,7 @@ struct FlashDecode {
           for (int d = 0; d < int(p.Dv); ++d) ar[d] += w * pr[d];
         }
       }
-      finish_row<Ops, T>(p, b, hk * group + r / p.Lq, r % p.Lq, m_all, l_all, ar);
+      finish_row<Ops, T>(p, b, h, r % p.Lq, m_all, l_all, ar);
     }
   }
 };

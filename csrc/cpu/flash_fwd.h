@@ -141,6 +141,7 @@ struct FlashForward {
         for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
       }
       bool m_finite = false;
+      count_path(p, &PathCounters::fwd_tiles, ceil_div(p.Lk, bl.bk));
       for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
         const int nk = int(min64(bl.bk, p.Lk - j0));
         const float* kr = k_row<T>(p, b, hk, j0);
@@ -196,12 +197,8 @@ struct FlashForward {
       }
       for (int r = 0; r < nq; ++r)
         finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
-      count_fused(p, fused_blocks);
+      count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
     }
-  }
-
-  static void count_fused(const AttnParams& p, int64_t blocks) {
-    if (p.counters && blocks) p.counters->fused_exp_blocks.fetch_add(blocks);
   }
 
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
@@ -222,16 +219,17 @@ struct FlashForward {
     // Q_blk [nq, D] in fp32
     Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
     for (int r = 0; r < nq; ++r) {
-      m[r] = kNegInf;
-      l[r] = 0.0f;
+      start_row(p, h, &m[r], &l[r]);
       float* a = acc + int64_t(r) * L.ldacc;
       for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
     }
 
-    bool m_finite = false;  // every row's running max is finite (the fused path may run)
+    // every row's running max is finite (the fused path may run): from the start with a sink
+    bool m_finite = p.sinks != nullptr;
     const Visibility vis = Visibility::of(p);
-    const int64_t kv_end = vis.rows_end(i0, nq);
-    for (int64_t j0 = 0; j0 < kv_end; j0 += bl.bk) {
+    const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
+    count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
+    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += bl.bk) {
       const int nk = int(min64(bl.bk, kv_end - j0));
       // K_blk^T and V_blk panels: pre-packed by Phase::PackKV, or packed here
       // (pre-packed V panels hold the whole block's rows, nk_full >= nk under the causal cut)
@@ -261,9 +259,10 @@ struct FlashForward {
         // rescale brings it back), and a row whose first-block sum stays below 2^-40 (every
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
-        const bool first = j0 == 0;
-        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) && !ct.partial &&
-            p.mask_type == MaskType::None && !dropout && nk % Ops::NR == 0) {
+        const bool first = j0 == kv_begin && !p.sinks;
+        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) && !ct.partial() &&
+            p.mask_type == MaskType::None && !dropout && p.softcap == 0.0f && !p.alibi &&
+            nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
           float* sv = L.sv;
@@ -299,9 +298,9 @@ struct FlashForward {
           const int64_t i = i0 + r;
           const int w = ct.width(r);  // columns of this row's group: the rest is never read
           float* srow = s + int64_t(r) * L.lds;
-          const int valid = ct.cols(r);
-          if (!online_softmax_row<Ops>(srow, w, s_mul, mt.row(mtile, r), valid, &m[r], &l[r],
-                                       acc + int64_t(r) * L.ldacc, Dv))
+          RowScore rs = row_score(p, b, h, i, j0, s_mul, mt.row(mtile, r));
+          rs.lo = ct.first(r), rs.hi = ct.cols(r);
+          if (!online_softmax_row<Ops>(srow, w, rs, &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv))
             continue;
           any_row = true;
           if (dropout) Ops::dropout_row(p, uint64_t(bh), i, j0, w, srow, srow);
@@ -320,7 +319,7 @@ struct FlashForward {
 
     for (int r = 0; r < nq; ++r)
       finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
-    count_fused(p, fused_blocks);
+    count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
   }
 };
 

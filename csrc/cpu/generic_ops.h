@@ -76,6 +76,18 @@ struct VecF4 {
   static reg first_n(reg x, int n, float fill) {
     return vselect(vi4{0, 1, 2, 3} < vi4{n, n, n, n}, x, vsplat(fill));
   }
+  static reg keep_from(reg x, int n, float fill) {
+    return vselect(vi4{0, 1, 2, 3} >= vi4{n, n, n, n}, x, vsplat(fill));
+  }
+  static reg abs(reg x) { return (vf4)((vi4)x & vi4{kMag, kMag, kMag, kMag}); }
+  static reg div(reg a, reg b) { return a / b; }
+  static reg select_lt(reg a, reg b, reg x, reg y) { return vselect(a < b, x, y); }
+  static reg copysign(reg mag, reg sign) {
+    const vi4 m = {kMag, kMag, kMag, kMag};
+    return (vf4)(((vi4)mag & m) | ((vi4)sign & ~m));
+  }
+  static reg iota(float s) { return vf4{s, s + 1.0f, s + 2.0f, s + 3.0f}; }
+  static constexpr int32_t kMag = 0x7fffffff;  // the bits of a float but its sign
   template <class T>
   static reg load_t(const T* p) {
     return vf4{to_f32(p[0]), to_f32(p[1]), to_f32(p[2]), to_f32(p[3])};
@@ -103,11 +115,41 @@ struct VecF4 {
   }
 };
 
-// Causal restriction of a gemm, per group of MR rows: the group of rows [i, i + R) needs only
-// min(extent, off + i + R) columns of B (on_n) or steps of the inner dimension (!on_n); beyond
-// that the tile lies above the causal diagonal. Skipped C tiles are left as they are.
+// What a trait offers beyond the common interface, and its operand formats. Each trait states
+// its own (FLASHSDPA_TRAIT_CAPS in its body): capabilities are never inherited from the trait a
+// trait takes its code from, so a fast path written for one operand format cannot switch on
+// silently in a derived trait with another (caps<Ops>() refuses to compile otherwise).
+struct TraitCaps {
+  // scale_in_a: the scores' scale * log2(e) is folded into the fp32 copy of Q (else score_row
+  // applies it). prep_a: A operands made from fp32 tiles (P, dS) go through prep_a (a tier with
+  // another operand format converts them; fp32 tiers use them in place). inner_pack: elements
+  // of the inner dimension per float slot of the A / B operands (bf16 pairs: 2).
+  bool scale_in_a, prep_a;
+  int inner_pack;
+  // fused_exp: gemm_exp, the S GEMM with the softmax's exponentials fused into its tile stores
+  // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
+  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t).
+  bool fused_exp, transposed_s;
+};
+#define FLASHSDPA_TRAIT_CAPS(Self, scale_in_a, prep_a, inner_pack, fused_exp, transposed_s) \
+  using CapsOwner = Self;                                                                     \
+  static constexpr TraitCaps kCaps{scale_in_a, prep_a, inner_pack, fused_exp, transposed_s};
+template <class Ops>
+constexpr TraitCaps caps() {
+  static_assert(std::is_same<typename Ops::CapsOwner, Ops>::value,
+                "each trait states its own capabilities (FLASHSDPA_TRAIT_CAPS)");
+  return Ops::kCaps;
+}
+
+// A band's restriction of a gemm (visibility.h), per group of MR rows: the group of rows
+// [i, i + R) needs only the columns of B (on_n) or the inner steps (!on_n) in
+// [lo_off + i, hi_off + i + R) (either side only when has_lo / has_hi): before them lies the
+// band's left edge, after them its diagonal. Skipped C tiles are left as they are.
 struct RowLimit {
-  int64_t off;
+  bool has_hi;
+  int64_t hi_off;
+  bool has_lo;
+  int64_t lo_off;
   bool on_n;
 };
 
@@ -134,26 +176,28 @@ inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* 
 // C[M][round_up(N, NR)] (= or +=) A * B. A[i][kk] = a[i*lda + kk], or a[kk*lda + i] if TransA.
 // B: panels from pack_b / pack_bt with the same N and at least K rows, `bstride` floats apart.
 // The micro-tiles of C[M][N] in panel-outer order (a B panel stays in L1 while every row group
-// uses it): f(p, i, R, kk) for panel p, rows [i, i + R) (R <= MR), inner depth kk. Under a
-// RowLimit (causal tiles) a group skips the panels (on_n) or the inner steps (!on_n) its last
-// row cannot see; groups with nothing to do are skipped.
+// uses it): f(p, i, R, kb, ke) for panel p, rows [i, i + R) (R <= MR), inner steps [kb, ke).
+// Under a RowLimit (tiles a band's edge crosses) a group skips the panels (on_n) or the inner
+// steps (!on_n) none of its rows sees; groups with nothing to do are skipped.
 template <int NR, int MR, class F>
 inline void for_each_tile(int M, int N, int K, const RowLimit* lim, F&& f) {
   const int np = int(ceil_div(N, NR));
   for (int p = 0; p < np; ++p) {
     for (int i = 0; i < M; i += MR) {
       const int R = M - i < MR ? M - i : MR;
-      int kk = K;
+      int kb = 0, ke = K;
       if (lim) {
-        const int64_t w = lim->off + i + R;
+        const int64_t hi = lim->has_hi ? lim->hi_off + i + R : int64_t(1) << 62;
+        const int64_t lo = lim->has_lo ? lim->lo_off + i : 0;
         if (lim->on_n) {
-          if (w <= int64_t(p) * NR) continue;
+          if (hi <= int64_t(p) * NR || lo >= int64_t(p + 1) * NR) continue;
         } else {
-          kk = int(w < 0 ? 0 : (w > K ? K : w));
-          if (kk == 0) continue;
+          ke = int(max64(0, min64(K, hi)));
+          kb = int(max64(0, min64(ke, lo)));
+          if (kb == ke) continue;
         }
       }
-      f(p, i, R, kk);
+      f(p, i, R, kb, ke);
     }
   }
 }
@@ -161,10 +205,11 @@ inline void for_each_tile(int M, int N, int K, const RowLimit* lim, F&& f) {
 template <class Ops, bool TransA>
 inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                       int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
-  constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kk) {
-    const float* ai = TransA ? a + i : a + int64_t(i) * lda;
-    micro_tile_rows<Ops, TransA, MR>(R, kk, ai, lda, bp + p * bstride,
+  constexpr int NR = Ops::NR, MR = Ops::MR, pack = caps<Ops>().inner_pack;
+  for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kb, int ke) {
+    const int skip = kb / pack;  // inner steps skipped, in the operands' packed units
+    const float* ai = TransA ? a + i + int64_t(skip) * lda : a + int64_t(i) * lda + skip;
+    micro_tile_rows<Ops, TransA, MR>(R, ke - skip * pack, ai, lda, bp + p * bstride + skip * NR,
                                      c + p * NR + int64_t(i) * ldc, ldc, accumulate);
   });
 }
@@ -179,7 +224,7 @@ template <class Ops>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     micro_tile_rows<Ops, false, MR, true>(R, kk, a + int64_t(i) * lda, lda, bp + p * bstride,
                                           c + p * NR + int64_t(i) * ldc, ldc, false, mref + i,
                                           sumv + 16 * int64_t(i));
@@ -193,7 +238,7 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
                                int64_t bstride, float* c, int ldc, const float* mref,
                                float* sumv) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
                                                 bp + p * bstride, c + p * NR + int64_t(i) * ldc,
                                                 ldc, false, mref + p * NR, sumv + p * NR);
@@ -207,37 +252,13 @@ template <class Ops>
 inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
                                   int64_t ldb, float* c, int ldc, bool accumulate) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int kk) {
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     with_rows<MR>(R, [&](auto rows) {
       Ops::template micro_tile<true, decltype(rows)::value, false, false, true>(
           kk, a + i, lda, b + p * NR, c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr,
           nullptr, ldb);
     });
   });
-}
-
-// What a trait offers beyond the common interface, and its operand formats. Each trait states
-// its own (FLASHSDPA_TRAIT_CAPS in its body): capabilities are never inherited from the trait a
-// trait takes its code from, so a fast path written for one operand format cannot switch on
-// silently in a derived trait with another (caps<Ops>() refuses to compile otherwise).
-struct TraitCaps {
-  // scale_in_a: the scores' scale * log2(e) is folded into the fp32 copy of Q (else score_row
-  // applies it). prep_a: A operands made from fp32 tiles (P, dS) go through prep_a (a tier with
-  // another operand format converts them; fp32 tiers use them in place).
-  bool scale_in_a, prep_a;
-  // fused_exp: gemm_exp, the S GEMM with the softmax's exponentials fused into its tile stores
-  // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
-  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t).
-  bool fused_exp, transposed_s;
-};
-#define FLASHSDPA_TRAIT_CAPS(Self, scale_in_a, prep_a, fused_exp, transposed_s) \
-  using CapsOwner = Self;                                                         \
-  static constexpr TraitCaps kCaps{scale_in_a, prep_a, fused_exp, transposed_s};
-template <class Ops>
-constexpr TraitCaps caps() {
-  static_assert(std::is_same<typename Ops::CapsOwner, Ops>::value,
-                "each trait states its own capabilities (FLASHSDPA_TRAIT_CAPS)");
-  return Ops::kCaps;
 }
 
 // A trait's gemm (and, with fused_exp, gemm_exp): the loops above around its own micro-tile.
@@ -264,8 +285,8 @@ struct DecodeOpsOf {
 struct GenericOps {
   static constexpr int NR = 8;   // panel width: 2 vectors
   static constexpr int MR = 6;   // rows per micro-tile: 6 x 2 = 12 vector accumulators
-  FLASHSDPA_TRAIT_CAPS(GenericOps, /*scale_in_a=*/true, /*prep_a=*/false, /*fused_exp=*/false,
-                       /*transposed_s=*/false)
+  FLASHSDPA_TRAIT_CAPS(GenericOps, /*scale_in_a=*/true, /*prep_a=*/false,
+                       /*inner_pack=*/1, /*fused_exp=*/false, /*transposed_s=*/false)
 
   // Called by each thread before and after a run of work items (per-thread CPU state, such as
   // the AMX tile configuration).

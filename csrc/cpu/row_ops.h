@@ -5,7 +5,10 @@
 //   reg, W (lanes), kSums (independent sums the exp pass keeps: more need more registers)
 //   load / store (float, unaligned), splat, add, sub, mul, fma(a, b, c) = a * b + c, max, exp2
 //   (exp2_poly's polynomial, scalar.h), hsum, hmax
-//   first_n(x, n, fill): lanes from n on replaced by fill (0 <= n < W)
+//   first_n(x, n, fill): lanes from n on replaced by fill (0 <= n < W); keep_from(x, n, fill):
+//   lanes before n replaced by fill (0 < n < W)
+//   abs, div, select_lt(a, b, x, y) (x where a < b, else y), copysign(mag, sign), iota(s)
+//   (lanes s, s + 1, ..., s + W - 1)
 //   load_t<T> / load_n<T>(p, n): W (or the first n, the rest 0) elements of T widened to fp32
 //   store_t<T> / store_n<T>(p, v, n): W (or the first n) lanes rounded to T
 //   kTransposeRows, transpose_rows<T>(src, ld, K, rows, out, ldo): out[kk*ldo + i] =
@@ -22,15 +25,88 @@ namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
+// What score_row applies to one row of a block of scores s (log2 domain: log2(e) * scale * q.k
+// once `mul` is applied), in the order of the semantics (params.h): the softcap, the ALiBi bias,
+// the additive mask (all in the log2 domain); then the columns outside [lo, hi) are hidden.
+struct RowScore {
+  float mul = 1.0f;         // scale still to apply (1: folded into Q)
+  float cap = 0.0f;         // softcap * log2(e) (0: none): s = cap * tanh(s / cap)
+  float slope = 0.0f;       // ALiBi slope * log2(e) (0: none): s -= slope * |center - j|
+  float center = 0.0f;      // ALiBi: the block column at distance 0 (i + diag - j0)
+  const float* madd = nullptr;  // mask row, added
+  int lo = 0, hi = 0;       // the visible columns
+  float* dcap = nullptr;    // backward: d(capped)/d(s) = 1 - tanh^2 per column (0 where hidden)
+  bool plain() const { return cap == 0.0f && slope == 0.0f && lo == 0; }
+};
+
 template <class V>
 struct RowOps {
   using reg = typename V::reg;
   static constexpr int W = V::W;
 
-  // s[j] = s[j] * mul + madd[j] for j < valid (madd may be null; mul == 1 skips the multiply),
-  // s[j] = -inf from valid up to the end of the vector holding column n - 1. Returns
-  // max_{j < valid} s[j] (-inf when valid is 0). Without mask and scale it only reads the row.
-  static float score_row(float* s, int n, float mul, const float* madd, int valid) {
+  // s[j] = the row's score (RowScore) for the visible columns, -inf for the others, from 0 up to
+  // the end of the vector holding column n - 1. Returns the max (-inf when nothing is visible).
+  static float score_row(float* s, int n, const RowScore& r) {
+    if (r.plain()) return score_row_plain(s, n, r.mul, r.madd, r.hi);
+    const reg ninf = V::splat(kNegInf), zero = V::splat(0.0f), one = V::splat(1.0f);
+    int j = r.lo / W * W;
+    for (int c = 0; c < j; c += W) {
+      V::store(s + c, ninf);
+      if (r.dcap) V::store(r.dcap + c, zero);
+    }
+    reg mx = ninf;
+    for (; j < r.hi; j += W) {
+      reg x = V::load(s + j);
+      if (r.mul != 1.0f) x = V::mul(x, V::splat(r.mul));
+      reg d = one;
+      if (r.cap != 0.0f) {
+        const reg t = tanh(V::mul(x, V::splat(1.0f / r.cap)));
+        d = V::sub(one, V::mul(t, t));
+        x = V::mul(V::splat(r.cap), t);
+      }
+      if (r.slope != 0.0f)
+        x = V::sub(x, V::mul(V::splat(r.slope), V::abs(V::sub(V::iota(float(j)),
+                                                              V::splat(r.center)))));
+      if (r.madd) x = V::add(x, V::load(r.madd + j));
+      if (j < r.lo) x = V::keep_from(x, r.lo - j, kNegInf), d = V::keep_from(d, r.lo - j, 0.0f);
+      if (j + W > r.hi) x = V::first_n(x, r.hi - j, kNegInf), d = V::first_n(d, r.hi - j, 0.0f);
+      V::store(s + j, x);
+      if (r.dcap) V::store(r.dcap + j, d);
+      mx = V::max(mx, x);
+    }
+    for (; j < n; j += W) {
+      V::store(s + j, ninf);
+      if (r.dcap) V::store(r.dcap + j, zero);
+    }
+    return V::hmax(mx);
+  }
+
+  // tanh per lane: an odd Taylor polynomial below |y| = 0.5 (where 1 - e^-2|y| would cancel),
+  // (1 - e) / (1 + e) with e = e^-2|y| above it; within a few ulp of tanh everywhere, +-1 at
+  // +-inf, NaN for NaN.
+  static reg tanh(reg y) {
+    constexpr float k2Log2e = 2.0f * kLog2e;
+    const reg a = V::abs(y), one = V::splat(1.0f);
+    const reg e = V::exp2(V::mul(V::splat(-k2Log2e), a));
+    const reg big = V::div(V::sub(one, e), V::add(one, e));
+    const reg a2 = V::mul(a, a);
+    // tanh(a) = a (1 - a^2/3 + 2a^4/15 - 17a^6/315 + 62a^8/2835 - 1382a^10/155925
+    //              + 21844a^12/6081075 - 929569a^14/638512875 + ...)
+    reg p = V::splat(-929569.0f / 638512875.0f);
+    p = V::fma(p, a2, V::splat(21844.0f / 6081075.0f));
+    p = V::fma(p, a2, V::splat(-1382.0f / 155925.0f));
+    p = V::fma(p, a2, V::splat(62.0f / 2835.0f));
+    p = V::fma(p, a2, V::splat(-17.0f / 315.0f));
+    p = V::fma(p, a2, V::splat(2.0f / 15.0f));
+    p = V::fma(p, a2, V::splat(-1.0f / 3.0f));
+    p = V::fma(p, a2, one);
+    const reg small = V::mul(a, p);
+    return V::copysign(V::select_lt(a, V::splat(0.5f), small, big), y);
+  }
+
+  // score_row without softcap, ALiBi or a lower bound: s[j] = s[j] * mul + madd[j] for
+  // j < valid. Without mask and scale it only reads the row.
+  static float score_row_plain(float* s, int n, float mul, const float* madd, int valid) {
     if (mul != 1.0f) scale_row(s, valid, mul);
     const reg ninf = V::splat(kNegInf);
     reg mx = ninf;
@@ -89,15 +165,21 @@ struct RowOps {
     if (j < n) V::store_n(x + j, V::mul(V::load_n(x + j, n - j), av), n - j);
   }
 
-  // dS = P * (dP - delta): ds[j] = p[j] * (ds[j] - delta) for j < n (ds holds dP on entry).
-  static void ds_row(const float* p, float* ds, int n, float delta) {
+  // dS = P * (dP - delta): ds[j] = p[j] * (ds[j] - delta) for j < n (ds holds dP on entry),
+  // times dcap[j] (the softcap's derivative) when given.
+  static void ds_row(const float* p, float* ds, int n, float delta, const float* dcap) {
     const reg dv = V::splat(delta);
     int j = 0;
-    for (; j + W <= n; j += W)
-      V::store(ds + j, V::mul(V::load(p + j), V::sub(V::load(ds + j), dv)));
-    if (j < n)
-      V::store_n(ds + j, V::mul(V::load_n(p + j, n - j), V::sub(V::load_n(ds + j, n - j), dv)),
-                 n - j);
+    for (; j + W <= n; j += W) {
+      reg x = V::mul(V::load(p + j), V::sub(V::load(ds + j), dv));
+      if (dcap) x = V::mul(x, V::load(dcap + j));
+      V::store(ds + j, x);
+    }
+    if (j < n) {
+      reg x = V::mul(V::load_n(p + j, n - j), V::sub(V::load_n(ds + j, n - j), dv));
+      if (dcap) x = V::mul(x, V::load_n(dcap + j, n - j));
+      V::store_n(ds + j, x, n - j);
+    }
   }
 
   // dst[j] = round(src[j] * mul) for j < n.

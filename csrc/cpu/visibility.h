@@ -1,13 +1,15 @@
 // Visibility: which keys each query row may attend to, built once from the call. The forward,
 // the backward and the decode path ask it for the key range of a block of query rows, the query
 // rows that see a block of keys, the visible columns of a row and the per-row-group limits of a
-// tile; nothing else in the algorithms knows what causal means.
+// tile; nothing else in the algorithms knows what causal or a window means.
 //
-// Row i sees keys [0, end(i)), with
-//   end(i) = clamp(i + shift, 0, Lk)   when bounded (causal, top-left aligned as PyTorch's
-//                                      is_causal: shift = 1, so row i sees keys j <= i)
-//   end(i) = Lk                        otherwise.
-// end is non-decreasing in i, which every range below relies on.
+// Row i sees keys [begin(i), end(i)), a band:
+//   end(i)   = clamp(i + hi, 0, Lk)   when bounded above (causal, or a window's right side:
+//                                     hi = diag + right + 1, right = 0 under causal)
+//   begin(i) = clamp(i + lo, 0, Lk)   when bounded below (a window's left side:
+//                                     lo = diag - left)
+// with diag = 0 for PyTorch's top-left alignment and Lk - Lq for flash-attn's bottom-right one.
+// begin and end are non-decreasing in i, which every range below relies on.
 #pragma once
 #include "../params.h"
 #include "generic_ops.h"
@@ -19,58 +21,77 @@ namespace FLASHSDPA_TIER_NS {
 struct VisTile;
 
 struct Visibility {
-  bool bounded;   // some row sees fewer than Lk keys
-  int64_t shift;  // end(i) = i + shift (clamped) when bounded
-  int64_t Lk;
+  bool hi_bounded, lo_bounded;
+  int64_t hi, lo;  // end(i) = i + hi, begin(i) = i + lo (clamped), when bounded
+  int64_t Lq, Lk;
 
-  static Visibility of(const AttnParams& p) { return Visibility{p.causal, 1, p.Lk}; }
+  static Visibility of(const AttnParams& p) {
+    const int64_t right = p.causal ? 0 : p.win_right;
+    return Visibility{right >= 0, p.win_left >= 0, p.diag + right + 1, p.diag - p.win_left,
+                      p.Lq, p.Lk};
+  }
 
   // Every row sees every key.
-  bool all() const { return !bounded; }
+  bool all() const { return !hi_bounded && !lo_bounded; }
 
-  // One past the last key row i sees.
-  int64_t end(int64_t i) const { return bounded ? max64(0, min64(Lk, i + shift)) : Lk; }
+  // The keys row i sees: [begin(i), end(i)) (empty when begin >= end).
+  int64_t end(int64_t i) const { return hi_bounded ? max64(0, min64(Lk, i + hi)) : Lk; }
+  int64_t begin(int64_t i) const { return lo_bounded ? max64(0, min64(Lk, i + lo)) : 0; }
 
-  // Columns [0, n) of the key block [j0, j0 + nk) that row i sees: n, the rest hidden.
+  // The columns of key block [j0, j0 + nk) that row i sees: [first, last) of the block.
+  int row_first(int64_t i, int64_t j0, int nk) const {
+    return int(max64(0, min64(int64_t(nk), begin(i) - j0)));
+  }
   int row_cols(int64_t i, int64_t j0, int nk) const {
     return int(max64(0, min64(int64_t(nk), end(i) - j0)));
   }
 
-  // One past the last key any of rows [i0, i0 + nq) sees (nq >= 1).
+  // The keys any of rows [i0, i0 + nq) sees: [rows_begin, rows_end) (nq >= 1).
+  int64_t rows_begin(int64_t i0, int64_t nq) const { (void)nq; return begin(i0); }
   int64_t rows_end(int64_t i0, int64_t nq) const { return end(i0 + nq - 1); }
 
-  // The first query row that sees key j0 (the rows before it see no key of [j0, Lk)).
-  int64_t first_row(int64_t j0) const { return bounded ? max64(0, j0 - shift + 1) : 0; }
+  // The query rows that see a key of [j0, j1): [first_row(j0), last_row_end(j1)).
+  int64_t first_row(int64_t j0) const { return hi_bounded ? max64(0, j0 - hi + 1) : 0; }
+  int64_t last_row_end(int64_t j1) const { return lo_bounded ? max64(0, min64(Lq, j1 - lo)) : Lq; }
 
   // The view of one tile (VisTile, below).
   VisTile tile(int64_t i0, int nq, int64_t j0, int nk, int group) const;
 };
 
 // A (query rows [i0, i0 + nq) x keys [j0, j0 + nk)) tile, its rows handled in groups of `group`
-// (the micro-kernel height): a group computes the columns its last row sees, so the work past a
-// diagonal shrinks to less than one group-height strip.
+// (the micro-kernel height): a group computes the columns between its first row's first and its
+// last row's last, so the work outside the band shrinks to less than one group-height strip on
+// each side.
 struct VisTile {
   Visibility vis;
-  bool partial;  // some row of the tile sees fewer than nk of its columns
+  bool cut_hi, cut_lo;  // some row of the tile sees fewer columns at the end / at the start
   int64_t i0, j0;
   int nq, nk, group;
-  RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i + R) needs
-                          // (i0 + i + R - 1 + shift) - j0 columns / inner steps
-  const RowLimit* limit_n() const { return partial ? &lim_n : nullptr; }  // S = Q K^T
-  const RowLimit* limit_k() const { return partial ? &lim_k : nullptr; }  // O += P V
-  // columns the group of row r computes: those its last row sees (0: the group sees nothing)
+  RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i + R) needs columns (inner
+                          // steps) [i0 + i + lo - j0, i0 + i + R - 1 + hi - j0)
+  bool partial() const { return cut_hi || cut_lo; }
+  const RowLimit* limit_n() const { return partial() ? &lim_n : nullptr; }  // S = Q K^T
+  const RowLimit* limit_k() const { return partial() ? &lim_k : nullptr; }  // O += P V
+  // The columns the group of row r computes: [group_first, width) (width 0: nothing)
   int width(int r) const {
-    if (!partial) return nk;
+    if (!cut_hi) return nk;
     return vis.row_cols(i0 + min64(nq, (r / group + 1) * group) - 1, j0, nk);
   }
-  // columns row r itself sees (a prefix of its group's width)
+  int group_first(int r) const {
+    return cut_lo ? vis.row_first(i0 + (r / group) * group, j0, nk) : 0;
+  }
+  // The columns row r itself sees: [first(r), cols(r)), within its group's
+  int first(int r) const { return vis.row_first(i0 + r, j0, nk); }
   int cols(int r) const { return vis.row_cols(i0 + r, j0, nk); }
 };
 
 inline VisTile Visibility::tile(int64_t i0, int nq, int64_t j0, int nk, int group) const {
-  const bool partial = bounded && end(i0) < j0 + nk;
-  const int64_t off = i0 - j0 + shift - 1;
-  return VisTile{*this, partial, i0, j0, nq, nk, group, RowLimit{off, true}, RowLimit{off, false}};
+  const bool cut_hi = hi_bounded && end(i0) < j0 + nk;
+  const bool cut_lo = lo_bounded && begin(i0 + nq - 1) > j0;
+  const RowLimit lim{cut_hi, i0 - j0 + hi - 1, cut_lo, i0 - j0 + lo, true};
+  RowLimit lim_k = lim;
+  lim_k.on_n = false;
+  return VisTile{*this, cut_hi, cut_lo, i0, j0, nq, nk, group, lim, lim_k};
 }
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -330,6 +330,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("x"), py::arg("m"), py::arg("dtype") = "float32",
       "the softmax exponent of the tier that runs `dtype` (cap / emulation honoured): "
       "(exp2(x - m), its sum)");
+  t.def(
+      "softcap_row",
+      [](const at::Tensor& x, double cap, const std::string& dt) {
+        TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat, "softcap_row: x must be a 1-D "
+                    "float32 tensor");
+        TORCH_CHECK(cap > 0, "softcap_row: cap must be > 0");
+        const int64_t n = x.numel();
+        at::Tensor buf = at::zeros({(n + 15) / 16 * 16}, x.options());  // whole vectors
+        buf.narrow(0, 0, n).copy_(x);
+        flashsdpa::cpu::selected_tier(parse_dtype(dt))
+            .softcap_row(buf.data_ptr<float>(), int(n), float(cap));
+        return buf.narrow(0, 0, n).clone();
+      },
+      py::arg("x"), py::arg("cap"), py::arg("dtype") = "float32",
+      "the softcap of the tier that runs `dtype` (cap / emulation honoured): cap tanh(x / cap)");
   t.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

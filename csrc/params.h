@@ -171,6 +171,8 @@ struct CpuTier {
   // Test hook: the tier's softmax exponent, s[j] = exp2(s[j] - m) for j < n, returns the sum
   // (s padded to a multiple of 16 floats; lanes from n on must hold -inf).
   float (*exp2_row_sum)(float* s, int n, float m);
+  // Test hook: the tier's softcap, x[j] = cap * tanh(x[j] / cap) (x padded to 16 floats).
+  void (*softcap_row)(float* x, int n, float cap);
 };
 
 }  // namespace flashsdpa

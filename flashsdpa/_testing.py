@@ -18,6 +18,7 @@ _T = _C.testing
 decode_features = _T.decode_features
 dropout_keep_mask = _T.dropout_keep_mask
 exp2_row_sum = _T.exp2_row_sum
+softcap_row = _T.softcap_row
 last_policy = _T.last_policy
 set_policy = _T.set_policy  # a dict of policy fields, replacing what is forced ({}: nothing)
 

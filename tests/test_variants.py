@@ -152,6 +152,35 @@ def test_variants_forward_backward(tier, name, dtype):
         assert counts()["bwd_tiles"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_softcap_row(tier, dtype):
+    """The tier's softcap directly: cap * tanh(x / cap) within 4 ulp of the fp64 value (relative
+    to cap, since it is cap-scaled) over the whole range including the clamp, exactly +-cap beyond
+    it and at +-inf (never beyond by more than 2 ulp), odd around 0, NaN stays NaN in its lane, every length remainder."""
+    g = torch.Generator().manual_seed(3)
+    for cap in (0.5, 30.0, 50.0):
+        for n in (1, 7, 16, 33, 100):
+            x = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * 12 * cap
+            x = x.float()
+            y = _testing.softcap_row(x, cap, dtype)
+            ref = cap * torch.tanh(x.double() / cap)
+            err = ((y.double() - ref).abs() / (cap * 2.0 ** -23)).max().item()
+            assert err <= 4, f"{tier}: softcap error {err:.2f} ulp of cap (cap={cap}, n={n})"
+            assert torch.equal(_testing.softcap_row(-x, cap, dtype), -y), f"{tier}: not odd"
+        edge = torch.tensor([0.0, 1e-30, float("inf"), float("-inf"), 1e30, -1e30, float("nan"),
+                             9.5 * cap, 2.0])
+        y = _testing.softcap_row(edge, cap, dtype)
+        assert y[0].item() == 0.0 and y[1].item() == pytest.approx(1e-30, rel=1e-6), f"{tier}: {y}"
+        sat = torch.tensor([cap, -cap, cap, -cap, cap])
+        assert ((y[[2, 3, 4, 5, 7]] - sat).abs() <= 2 * cap * 2.0 ** -23).all(), (
+            f"{tier}: {y[[2, 3, 4, 5, 7]]} should be +-{cap}")
+        bound = cap * (1 + 2.0 ** -22)  # the rational fit may pass cap by 2 ulp, no more
+        assert (y.nan_to_num().abs() <= bound).all(), f"{tier}: {y} beyond +-{cap}"
+        assert (_testing.softcap_row(x, cap, dtype).abs() <= bound).all(), f"{tier}: beyond {cap}"
+        assert torch.isnan(y[6]) and not torch.isnan(y[[0, 1, 2, 3, 4, 5, 7, 8]]).any(), (
+            f"{tier}: NaN must stay in its lane: {y}")
+
+
 @pytest.mark.parametrize("layout", ["blhd", "padded"])
 def test_variants_strided_views(tier, layout):
     q, k, v, kw = make_case("all", torch.float32, layout=layout)

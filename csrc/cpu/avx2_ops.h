@@ -200,12 +200,9 @@ inline void philox8(__m256i c0, uint32_t c1_, uint32_t c2_, uint32_t c3_, uint32
   static reg mul(reg a, reg b) { return P##_mul_ps(a, b); }                        \
   static reg fma(reg a, reg b, reg c) { return P##_fmadd_ps(a, b, c); }            \
   static reg max(reg a, reg b) { return P##_max_ps(a, b); }                        \
+  static reg min(reg a, reg b) { return P##_min_ps(a, b); }                        \
   static reg div(reg a, reg b) { return P##_div_ps(a, b); }                        \
   static reg abs(reg x) { return P##_andnot_ps(P##_set1_ps(-0.0f), x); }           \
-  static reg copysign(reg mag, reg sign) {                                         \
-    const reg s = P##_set1_ps(-0.0f);                                              \
-    return P##_or_ps(P##_andnot_ps(s, mag), P##_and_ps(s, sign));                  \
-  }                                                                                \
   static constexpr int kTransposeRows = 8;                                         \
   template <class T>                                                               \
   static void transpose_rows(const T* src, int64_t ld, int K, int rows, float* out, \
@@ -225,9 +222,6 @@ struct VecY8 {
   }
   static reg keep_from(reg x, int n, float fill) {
     return _mm256_blendv_ps(splat(fill), x, lanes_at_or_after(0, n));
-  }
-  static reg select_lt(reg a, reg b, reg x, reg y) {
-    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
   }
   static reg iota(float s) {
     return _mm256_add_ps(splat(s), _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));

@@ -74,9 +74,6 @@ struct VecZ16 {
   static reg keep_from(reg x, int n, float fill) {
     return _mm512_mask_blend_ps(tail_mask16(n), x, splat(fill));
   }
-  static reg select_lt(reg a, reg b, reg x, reg y) {
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
-  }
   static reg iota(float s) {
     return _mm512_add_ps(splat(s), _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
                                                  2, 1, 0));

@@ -36,6 +36,7 @@ inline vf4 vselect(vi4 mask, vf4 a, vf4 b) {  // mask lanes are all-ones or zero
   return (vf4)((mask & (vi4)a) | (~mask & (vi4)b));
 }
 inline vf4 vmax(vf4 a, vf4 b) { return vselect(a > b, a, b); }
+inline vf4 vmin(vf4 a, vf4 b) { return vselect(a < b, a, b); }
 inline float hmax(vf4 v) {
   const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
   return a > b ? a : b;
@@ -70,6 +71,7 @@ struct VecF4 {
   static reg mul(reg a, reg b) { return a * b; }
   static reg fma(reg a, reg b, reg c) { return a * b + c; }
   static reg max(reg a, reg b) { return vmax(a, b); }
+  static reg min(reg a, reg b) { return vmin(a, b); }
   static reg exp2(reg x) { return vexp2(x); }
   static float hsum(reg v) { return ::flashsdpa::cpu::FLASHSDPA_TIER_NS::hsum(v); }
   static float hmax(reg v) { return ::flashsdpa::cpu::FLASHSDPA_TIER_NS::hmax(v); }
@@ -81,11 +83,6 @@ struct VecF4 {
   }
   static reg abs(reg x) { return (vf4)((vi4)x & vi4{kMag, kMag, kMag, kMag}); }
   static reg div(reg a, reg b) { return a / b; }
-  static reg select_lt(reg a, reg b, reg x, reg y) { return vselect(a < b, x, y); }
-  static reg copysign(reg mag, reg sign) {
-    const vi4 m = {kMag, kMag, kMag, kMag};
-    return (vf4)(((vi4)mag & m) | ((vi4)sign & ~m));
-  }
   static reg iota(float s) { return vf4{s, s + 1.0f, s + 2.0f, s + 3.0f}; }
   static constexpr int32_t kMag = 0x7fffffff;  // the bits of a float but its sign
   template <class T>

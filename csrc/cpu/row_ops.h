@@ -3,12 +3,12 @@
 // VecF4 (generic_ops.h: the compiler's generic 4-float vectors), VecY8 (avx2_ops.h: ymm),
 // VecZ16 (avx512_ops.h: zmm). V provides
 //   reg, W (lanes), kSums (independent sums the exp pass keeps: more need more registers)
-//   load / store (float, unaligned), splat, add, sub, mul, fma(a, b, c) = a * b + c, max, exp2
-//   (exp2_poly's polynomial, scalar.h), hsum, hmax
+//   load / store (float, unaligned), splat, add, sub, mul, fma(a, b, c) = a * b + c, max, min
+//   (max(a, x) / min(a, x) return x where x is NaN), exp2 (exp2_poly's polynomial, scalar.h),
+//   hsum, hmax
 //   first_n(x, n, fill): lanes from n on replaced by fill (0 <= n < W); keep_from(x, n, fill):
 //   lanes before n replaced by fill (0 < n < W)
-//   abs, div, select_lt(a, b, x, y) (x where a < b, else y), copysign(mag, sign), iota(s)
-//   (lanes s, s + 1, ..., s + W - 1)
+//   abs, div, iota(s) (lanes s, s + 1, ..., s + W - 1)
 //   load_t<T> / load_n<T>(p, n): W (or the first n, the rest 0) elements of T widened to fp32
 //   store_t<T> / store_n<T>(p, v, n): W (or the first n) lanes rounded to T
 //   kTransposeRows, transpose_rows<T>(src, ld, K, rows, out, ldo): out[kk*ldo + i] =
@@ -49,6 +49,7 @@ struct RowOps {
   static float score_row(float* s, int n, const RowScore& r) {
     if (r.plain()) return score_row_plain(s, n, r.mul, r.madd, r.hi);
     const reg ninf = V::splat(kNegInf), zero = V::splat(0.0f), one = V::splat(1.0f);
+    const Softcap cap(r.cap);
     int j = r.lo / W * W;
     for (int c = 0; c < j; c += W) {
       V::store(s + c, ninf);
@@ -60,9 +61,8 @@ struct RowOps {
       if (r.mul != 1.0f) x = V::mul(x, V::splat(r.mul));
       reg d = one;
       if (r.cap != 0.0f) {
-        const reg t = tanh(V::mul(x, V::splat(1.0f / r.cap)));
-        d = V::sub(one, V::mul(t, t));
-        x = V::mul(V::splat(r.cap), t);
+        x = cap.apply(x);
+        if (r.dcap) d = cap.derivative(x);
       }
       if (r.slope != 0.0f)
         x = V::sub(x, V::mul(V::splat(r.slope), V::abs(V::sub(V::iota(float(j)),
@@ -81,27 +81,42 @@ struct RowOps {
     return V::hmax(mx);
   }
 
-  // tanh per lane: an odd Taylor polynomial below |y| = 0.5 (where 1 - e^-2|y| would cancel),
-  // (1 - e) / (1 + e) with e = e^-2|y| above it; within a few ulp of tanh everywhere, +-1 at
-  // +-inf, NaN for NaN.
-  static reg tanh(reg y) {
-    constexpr float k2Log2e = 2.0f * kLog2e;
-    const reg a = V::abs(y), one = V::splat(1.0f);
-    const reg e = V::exp2(V::mul(V::splat(-k2Log2e), a));
-    const reg big = V::div(V::sub(one, e), V::add(one, e));
-    const reg a2 = V::mul(a, a);
-    // tanh(a) = a (1 - a^2/3 + 2a^4/15 - 17a^6/315 + 62a^8/2835 - 1382a^10/155925
-    //              + 21844a^12/6081075 - 929569a^14/638512875 + ...)
-    reg p = V::splat(-929569.0f / 638512875.0f);
-    p = V::fma(p, a2, V::splat(21844.0f / 6081075.0f));
-    p = V::fma(p, a2, V::splat(-1382.0f / 155925.0f));
-    p = V::fma(p, a2, V::splat(62.0f / 2835.0f));
-    p = V::fma(p, a2, V::splat(-17.0f / 315.0f));
-    p = V::fma(p, a2, V::splat(2.0f / 15.0f));
-    p = V::fma(p, a2, V::splat(-1.0f / 3.0f));
-    p = V::fma(p, a2, one);
-    const reg small = V::mul(a, p);
-    return V::copysign(V::select_lt(a, V::splat(0.5f), small, big), y);
+  // x -> cap * tanh(x / cap) per lane, and its derivative. tanh(y) = y P(y^2) / Q(y^2) for
+  // |y| <= kTanhYMax (fit_tanh.py, whose output these constants are; beyond, tanh(y) is +-1 in
+  // fp32), so cap * tanh(x / cap) = x P(u) / Q(u) with u = x^2 / cap^2 and x clamped to
+  // +-kTanhYMax * cap. NaN stays NaN (the clamp's max / min return x for it).
+  struct Softcap {
+    static constexpr float kTanhYMax = 9.0f;
+    static constexpr float kP[5] = {1.0f, 0.13381094f, 0.0034956688f, 2.0610403e-05f,
+                                    1.33564715e-08f};
+    static constexpr float kQ[5] = {1.0f, 0.4671441f, 0.02587729f, 0.00032857666f,
+                                    7.777304e-07f};
+    reg hi, lo, inv_cap, inv_cap2;
+    explicit Softcap(float cap)
+        : hi(V::splat(kTanhYMax * cap)), lo(V::splat(-kTanhYMax * cap)),
+          inv_cap(V::splat(cap != 0.0f ? 1.0f / cap : 0.0f)),
+          inv_cap2(V::splat(cap != 0.0f ? 1.0f / (cap * cap) : 0.0f)) {}
+    reg apply(reg x) const {
+      x = V::min(hi, V::max(lo, x));
+      const reg u = V::mul(V::mul(x, x), inv_cap2);
+      reg p = V::splat(kP[4]), q = V::splat(kQ[4]);
+      for (int c = 3; c >= 0; --c) {
+        p = V::fma(p, u, V::splat(kP[c]));
+        q = V::fma(q, u, V::splat(kQ[c]));
+      }
+      return V::div(V::mul(x, p), q);
+    }
+    // d(cap tanh(x / cap)) / dx = 1 - tanh^2, from the capped value c: 1 - (c / cap)^2
+    reg derivative(reg capped) const {
+      const reg t = V::mul(capped, inv_cap);
+      return V::sub(V::splat(1.0f), V::mul(t, t));
+    }
+  };
+
+  // Test hook: x[j] = cap * tanh(x[j] / cap) for j < n (x padded to whole vectors).
+  static void softcap_row(float* x, int n, float cap) {
+    const Softcap sc(cap);
+    for (int j = 0; j < n; j += W) V::store(x + j, sc.apply(V::load(x + j)));
   }
 
   // score_row without softcap, ALiBi or a lower bound: s[j] = s[j] * mul + madd[j] for

@@ -29,7 +29,8 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   constexpr auto caps = FLASHSDPA_TIER_NS::caps<Ops>();
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
                             Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s, &Impl::plan,
-                            &Impl::run, &Ops::Row::exp2_row_sum};
+                            &Impl::run, &Ops::Row::exp2_row_sum,
+                            &Ops::Row::softcap_row};
   return &tier;
 }
 }  // namespace cpu

@@ -7,10 +7,7 @@ shows a gain here on some tier, and tests/test_paths.py proves that it runs.
     python bench/bench_paths.py --paths transposed,fused_exp --repeats 11
 """
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 
@@ -18,10 +15,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_sdpa import flops, geomean, make_inputs, make_step, time_case, _flashsdpa  # noqa: E402
+from bench_sdpa import (flops, geomean, host_meta, make_inputs, make_step,  # noqa: E402
+                        save_json, time_case, _flashsdpa)
 
-import flashsdpa  # noqa: E402
-from flashsdpa import _C, _testing  # noqa: E402
+from flashsdpa import _testing  # noqa: E402
 
 # name (the policy field forced off) -> the case it was made for: (mode, (B, Hq, Hkv, L, D), dtype,
 # causal); and what the path does.
@@ -99,19 +96,13 @@ def main(argv=None):
         ap.error("--repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
-    meta = {"mode": "paths", "cpu": _C.cpu_brand(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "flashsdpa": flashsdpa.__version__,
-            "machine": platform.machine(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    meta = host_meta("paths")
     rows = []
     for n in names:
         rows.append(run_path(n, args.repeats))
         print(f"{n}: gain {rows[-1]['gain']:.3f}x", flush=True)
     print(markdown(meta, rows))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print(f"\nresults: {args.out}")
+    print(f"\nresults: {save_json(args.out, meta, rows)}")
     return 0
 
 

@@ -10,7 +10,9 @@ Providers (--providers, comma separated):
                  TRITON_INTERPRET=1: a smoke test, not a benchmark)
 With --device xpu|cuda the tensors live on that GPU: flashsdpa runs its Triton kernels, the
 default providers are "flashsdpa,torch" and rates are TFLOP/s (no CPU peak is measured).
-Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache).
+Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache),
+variants (sliding window, softcap, ALiBi, sinks against PyTorch and FlexAttention: handed to
+bench/bench_variants.py with --dtypes, --repeats and --threads).
 
 For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
 to last ~20 ms; the table shows medians, GFLOP/s (GB/s of K+V for decode), the speedup against
@@ -259,22 +261,8 @@ def run(args):
 
     pk = peak.measure(threads, read_mib=args.peak_read_mib) if not (args.no_peak or gpu) \
         else None
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": device,
-        "gpu": gpu_name(device) if gpu else None,
-        "cpu": _C.cpu_brand(),
-        "machine": platform.machine(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "flashsdpa": flashsdpa.__version__,
-        "python": platform.python_version(),
-        "tiers": {name: flashsdpa.cpu_isa(dt) for name, dt in DTYPES.items()},
-        "isa_cap": _C.isa_cap(),
-        "mode": args.mode,
-        "repeats": args.repeats,
-        "peak": pk,
-    }
+    meta = dict(host_meta(args.mode), device=device, gpu=gpu_name(device) if gpu else None,
+                repeats=args.repeats, peak=pk)
     rows = []
     read_probes = []  # decode mode: per case, one probe per timing round
     started = time.perf_counter()
@@ -307,6 +295,29 @@ def run(args):
                           file=sys.stderr)
                     return finish_meta(meta, read_probes), rows
     return finish_meta(meta, read_probes), rows
+
+
+def host_meta(mode):
+    """What every bench result records about where and with what it ran."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "cpu": _C.cpu_brand(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "flashsdpa": flashsdpa.__version__,
+        "python": platform.python_version(),
+        "tiers": {name: flashsdpa.cpu_isa(dt) for name, dt in DTYPES.items()},
+        "isa_cap": _C.isa_cap(),
+        "mode": mode,
+    }
+
+
+def save_json(path, meta, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return path
 
 
 def gpu_name(device):
@@ -444,8 +455,7 @@ def markdown(meta, rows):
 def write_outputs(meta, rows, out_dir, tag):
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, tag)
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    save_json(base + ".json", meta, rows)
     with open(base + ".csv", "w", newline="") as f:
         fields = list(rows[0].keys()) if rows else []
         fields = list(dict.fromkeys(fields + ["GFLOP/s", "GB/s"]))
@@ -463,7 +473,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
-    ap.add_argument("--mode", choices=["fwd", "train", "decode"], default="fwd")
+    ap.add_argument("--mode", choices=["fwd", "train", "decode", "variants"], default="fwd")
     ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     ap.add_argument("--providers", default=None,
                     help="default: flashsdpa,torch_flash (cpu) or flashsdpa,torch (GPU)")
@@ -480,6 +490,10 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
+    if args.mode == "variants":
+        import bench_variants
+        return bench_variants.main(["--dtypes", args.dtypes, "--repeats", str(args.repeats or 0),
+                                    "--threads", str(args.threads)])
     if args.repeats is None:
         args.repeats = DEFAULT_REPEATS[args.mode]
     if args.repeats < 1:

@@ -12,10 +12,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paths import markdown as paths_markdown  # noqa: E402
 from bench_sdpa import markdown  # noqa: E402
+from bench_variants import markdown as variants_markdown  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)",
-          "paths": "Special paths, each against its alternative"}
+          "paths": "Special paths, each against its alternative",
+          "variants": "Attention variants (window, softcap, ALiBi, sinks)"}
+RENDER = {"paths": paths_markdown, "variants": variants_markdown}
 
 
 def render(paths):
@@ -26,7 +29,7 @@ def render(paths):
         meta = res["meta"]
         parts.append(f"#### {TITLES.get(meta['mode'], meta['mode'])} "
                      f"(`{os.path.relpath(path)}`, {meta['date']})\n")
-        parts.append((paths_markdown if meta["mode"] == "paths" else markdown)(meta, res["rows"]))
+        parts.append(RENDER.get(meta["mode"], markdown)(meta, res["rows"]))
         parts.append("")
     return "\n".join(parts)
 

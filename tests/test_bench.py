@@ -134,3 +134,33 @@ def test_bench_paths_bad_path_names_the_argument(tmp_path):
                           "nope", "--out", str(tmp_path / "x.json")], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 2 and "--paths: unknown path 'nope'" in res.stderr
+
+
+def test_bench_variants_tiny_run(tmp_path):
+    """bench_variants.py (also bench_sdpa.py --mode variants): every case and mode, its peers
+    checked against flashsdpa's output before timing, and its table through report.py."""
+    out = tmp_path / "variants.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_variants.py"), "--tiny",
+                          "--repeats", "1", "--dtypes", "fp32", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    import bench_variants
+    assert [(r["case"], r["mode"]) for r in rows] == [
+        (c, m) for c in bench_variants.CASES for m in ("fwd", "train")]
+    ran = {(r["case"], r["mode"]): set(r["ms"]) for r in rows}
+    assert ran["window", "fwd"] == {"flashsdpa", "flashsdpa plain", "torch_flash+mask", "flex",
+                                    "eager"}
+    assert ran["alibi", "train"] == {"flashsdpa", "flashsdpa plain", "torch_flash+mask", "eager"}
+    assert ran["sinks", "fwd"] == {"flashsdpa", "flashsdpa plain", "eager"}
+    for r in rows:
+        assert all(t > 0 for t in r["ms"].values())
+        if r["mode"] == "fwd":  # every peer that ran agreed with flashsdpa
+            assert set(r["max_abs_diff"]) == set(r["ms"]) & set(bench_variants.PEERS)
+            assert all(d <= 1e-4 for d in r["max_abs_diff"].values()), r
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(out), "--readme",
+                          str(readme)], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "| window: window_size=[64, 0]" in readme.read_text()

@@ -319,6 +319,8 @@ def test_float64_takes_the_math_fallback():
     (dict(alibi_slopes=torch.ones(2, dtype=torch.float64)), "alibi_slopes must be float32"),
     (dict(sinks=torch.ones(2, 2)), "sinks must have shape (H,) = (2,)"),
     (dict(sinks=torch.ones(2, dtype=torch.int32)), "sinks must be float32"),
+    (dict(sinks=torch.ones(2, device="meta")), "sinks must be on query's device"),
+    (dict(alibi_slopes=torch.ones(2, device="meta")), "alibi_slopes must be on query's device"),
 ])
 def test_bad_variant_arguments_name_the_argument(bad, message):
     q, k, v = make_qkv(1, 2, 2, 8, 8, 16)

@@ -6,10 +6,12 @@
 #include <ATen/record_function.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 namespace flashsdpa {
 
@@ -74,52 +76,105 @@ float* shared_buffer(int64_t bytes, c10::DataPtr* owner) {
   return static_cast<float*>(owner->get());
 }
 
-// Runs one phase: a parallel loop over the tier's work items, each thread with its own scratch.
-// The compute phases hand out their items one at a time (an atomic counter) rather than as one
-// fixed range per thread: a thread whose core is shared with another process then does fewer
-// items instead of holding everyone up at the end. Same items, same results: no item's output
-// depends on which thread runs it. The memory-bound phases (packing, decode) keep contiguous
-// ranges.
-void run_phase(const AttnParams& p, const KernelPolicy& pol, Phase phase, const PhasePlan& plan) {
-  RECORD_FUNCTION(profiler_name(phase, pol.isa, p.dtype), c10::ArrayRef<const c10::IValue>{});
-  if (plan.n_items <= 0) return;
+// The phases whose items run_phase hands out one at a time.
+bool dynamic_phase(Phase phase) {
+  return phase == Phase::Forward || phase == Phase::ForwardTransposed ||
+         phase == Phase::BwdDkDv || phase == Phase::BwdDq || phase == Phase::BwdFused;
+}
+
+// Per-thread scratch of a phase, NaN-poisoned under the debug flag.
+c10::DataPtr thread_scratch(int64_t bytes) {
+  c10::DataPtr scratch;
+  if (bytes > 0) {
+    scratch = c10::GetCPUAllocator()->allocate(bytes);
+    if (g_debug_poison.load(std::memory_order_relaxed)) std::memset(scratch.get(), 0xFF, bytes);
+  }
+  return scratch;
+}
+
+// Runs one phase over the items of every segment (segment s's items numbered after those of
+// segments 0..s-1) in one parallel loop, each thread with its own scratch. The compute phases
+// hand out their items one at a time (an atomic counter) rather than as one fixed range per
+// thread: a thread whose core is shared with another process then does fewer items instead of
+// holding everyone up at the end, and one long segment's items spread over the threads. Same
+// items, same results: no item's output depends on which thread runs it. The memory-bound
+// phases (packing, decode) keep contiguous ranges. plans[s]: segment s's plan of the phase.
+void run_phase(const AttnParams* seg, int64_t n, const KernelPolicy& pol, Phase phase,
+               const std::vector<PhasePlan>& plans) {
+  RECORD_FUNCTION(profiler_name(phase, pol.isa, seg[0].dtype), c10::ArrayRef<const c10::IValue>{});
+  std::vector<int64_t> start(n + 1, 0);  // segment s's items are [start[s], start[s + 1])
+  int64_t scratch_bytes = 0;
+  for (int64_t s = 0; s < n; ++s) {
+    start[s + 1] = start[s] + std::max<int64_t>(plans[s].n_items, 0);
+    scratch_bytes = std::max(scratch_bytes, plans[s].scratch_bytes);
+  }
+  const int64_t total = start[n];
+  if (total <= 0) return;
   const CpuTier& tier = *pol.tier;
-  const bool poison_scratch = g_debug_poison.load(std::memory_order_relaxed);
-  const bool dynamic = phase == Phase::Forward || phase == Phase::ForwardTransposed ||
-                       phase == Phase::BwdDkDv || phase == Phase::BwdDq ||
-                       phase == Phase::BwdFused;
+  const bool dynamic = dynamic_phase(phase);
   std::atomic<int64_t> claim{0};
-  const int64_t n_loop = dynamic ? std::min<int64_t>(at::get_num_threads(), plan.n_items)
-                                 : plan.n_items;
+  const int64_t n_loop = dynamic ? std::min<int64_t>(at::get_num_threads(), total) : total;
   at::parallel_for(0, n_loop, 1, [&](int64_t begin, int64_t end) {
-    c10::DataPtr scratch;
-    if (plan.scratch_bytes > 0) {
-      scratch = c10::GetCPUAllocator()->allocate(plan.scratch_bytes);
-      if (poison_scratch) std::memset(scratch.get(), 0xFF, plan.scratch_bytes);  // NaN floats
-    }
-    if (dynamic)
-      tier.run(p, phase, 0, plan.n_items, scratch.get(), &claim);
-    else
-      tier.run(p, phase, begin, end, scratch.get(), nullptr);
+    const c10::DataPtr scratch = thread_scratch(scratch_bytes);
+    if (n == 1)  // one segment: the tier claims the items itself
+      return tier.run(seg[0], phase, dynamic ? 0 : begin, dynamic ? total : end, scratch.get(),
+                      dynamic ? &claim : nullptr);
+    const auto run_items = [&](int64_t g, int64_t g_end) {  // global items [g, g_end)
+      int64_t s = std::upper_bound(start.begin(), start.end(), g) - start.begin() - 1;
+      for (; g < g_end; ++s) {
+        const int64_t hi = std::min(g_end, start[s + 1]);
+        if (hi > g) tier.run(seg[s], phase, g - start[s], hi - start[s], scratch.get(), nullptr);
+        g = std::max(g, hi);
+      }
+    };
+    if (!dynamic) return run_items(begin, end);
+    for (int64_t g; (g = claim.fetch_add(1, std::memory_order_relaxed)) < total;)
+      run_items(g, g + 1);
   });
 }
 
-void run_phase(const AttnParams& p, const KernelPolicy& pol, Phase phase) {
-  run_phase(p, pol, phase, pol.tier->plan(p, phase));
+std::vector<PhasePlan> plan_segments(const AttnParams* seg, int64_t n, const KernelPolicy& pol,
+                                     Phase phase) {
+  std::vector<PhasePlan> plans(n);
+  for (int64_t s = 0; s < n; ++s) plans[s] = pol.tier->plan(seg[s], phase);
+  return plans;
+}
+
+void run_phase(const AttnParams* seg, int64_t n, const KernelPolicy& pol, Phase phase) {
+  run_phase(seg, n, pol, phase, plan_segments(seg, n, pol, phase));
+}
+
+// Each segment's share (64-byte aligned, from its plan's shared_bytes) of one shared buffer.
+void share_out(AttnParams* seg, int64_t n, const std::vector<PhasePlan>& plans,
+               float* AttnParams::*field, c10::DataPtr* owner) {
+  std::vector<int64_t> at(n + 1, 0);
+  for (int64_t s = 0; s < n; ++s) at[s + 1] = at[s] + (plans[s].shared_bytes + 63) / 64 * 64;
+  char* base = reinterpret_cast<char*>(shared_buffer(at[n], owner));
+  for (int64_t s = 0; s < n; ++s) seg[s].*field = reinterpret_cast<float*>(base + at[s]);
+}
+
+void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
+  for (int64_t s = 0; s < n; ++s) {
+    seg[s].bq = pol.bq, seg[s].bk = pol.bk;
+    seg[s].fused_exp = pol.fused_exp;
+    seg[s].counters = path_counters();
+  }
 }
 
 }  // namespace
 
-void run_forward(AttnParams& p, const KernelPolicy& pol) {
-  p.bq = pol.bq, p.bk = pol.bk;
-  p.fused_exp = pol.fused_exp;
-  p.counters = path_counters();
+void run_forward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
+  if (n <= 0) return;
+  TORCH_CHECK(n == 1 || (!pol.decode && !pol.prepack), "flashsdpa: segmented calls take "
+              "neither the decode path nor the pre-pack phase");
+  set_blocks(seg, n, pol);
+  AttnParams& p = seg[0];
   if (pol.decode) {
     const PhasePlan split = pol.tier->plan(p, Phase::DecodeSplit);
     c10::DataPtr parts;
     p.dec_part = shared_buffer(split.shared_bytes, &parts);
-    run_phase(p, pol, Phase::DecodeSplit, split);
-    run_phase(p, pol, Phase::DecodeMerge);
+    run_phase(&p, 1, pol, Phase::DecodeSplit, {split});
+    run_phase(&p, 1, pol, Phase::DecodeMerge);
     return;
   }
   c10::DataPtr pack_owner;
@@ -129,39 +184,52 @@ void run_forward(AttnParams& p, const KernelPolicy& pol) {
       p.kv_pack = pack_workspace(pack.shared_bytes, &pack_owner);
       if (g_debug_poison.load(std::memory_order_relaxed))
         std::memset(p.kv_pack, 0xFF, pack.shared_bytes);
-      run_phase(p, pol, Phase::PackKV, pack);
+      run_phase(&p, 1, pol, Phase::PackKV, {pack});
     }
   }
-  run_phase(p, pol, pol.transposed ? Phase::ForwardTransposed : Phase::Forward);
+  run_phase(seg, n, pol, pol.transposed ? Phase::ForwardTransposed : Phase::Forward);
 }
 
-void run_backward(AttnParams& p, const KernelPolicy& pol) {
-  p.bq = pol.bq, p.bk = pol.bk;
-  p.counters = path_counters();
-  const PhasePlan delta = pol.tier->plan(p, Phase::BwdDelta);
+void run_backward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
+  if (n <= 0) return;
+  set_blocks(seg, n, pol);
+  const std::vector<PhasePlan> delta = plan_segments(seg, n, pol, Phase::BwdDelta);
   c10::DataPtr dsink_part;
-  if (p.sinks) p.dsink_part = shared_buffer(4 * delta.n_items, &dsink_part);
-  run_phase(p, pol, Phase::BwdDelta, delta);
-  if (p.sinks) {
-    // the sinks' gradient: each head's items (b, q block) summed in a fixed order
-    const int64_t per_bh = delta.n_items / (p.B * p.Hq);
-    for (int64_t h = 0; h < p.Hq; ++h) {
+  const bool sinks = seg[0].sinks != nullptr;
+  if (sinks) {
+    std::vector<PhasePlan> parts = delta;
+    for (auto& pl : parts) pl.shared_bytes = 4 * pl.n_items;
+    share_out(seg, n, parts, &AttnParams::dsink_part, &dsink_part);
+  }
+  run_phase(seg, n, pol, Phase::BwdDelta, delta);
+  if (sinks) {
+    // the sinks' gradient: each head's items (b, q block), segment after segment, summed in a
+    // fixed order
+    const int64_t Hq = seg[0].Hq;
+    for (int64_t h = 0; h < Hq; ++h) {
       float sum = 0.0f;
-      for (int64_t b = 0; b < p.B; ++b)
-        for (int64_t t = 0; t < per_bh; ++t) sum += p.dsink_part[(b * p.Hq + h) * per_bh + t];
-      p.dsinks[h] = sum;
+      for (int64_t s = 0; s < n; ++s) {
+        const int64_t B = seg[s].B, per_bh = delta[s].n_items / (B * Hq);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t t = 0; t < per_bh; ++t)
+            sum += seg[s].dsink_part[(b * Hq + h) * per_bh + t];
+      }
+      seg[0].dsinks[h] = sum;
     }
   }
   if (pol.fused_bwd) {
-    const PhasePlan fused = pol.tier->plan(p, Phase::BwdFused);
+    const std::vector<PhasePlan> fused = plan_segments(seg, n, pol, Phase::BwdFused);
     c10::DataPtr dq_acc;
-    p.dq_acc = shared_buffer(fused.shared_bytes, &dq_acc);
-    run_phase(p, pol, Phase::BwdFused, fused);
+    share_out(seg, n, fused, &AttnParams::dq_acc, &dq_acc);
+    run_phase(seg, n, pol, Phase::BwdFused, fused);
   } else {
-    run_phase(p, pol, Phase::BwdDq);  // Lk == 0 gives dq = 0
-    run_phase(p, pol, Phase::BwdDkDv);
+    run_phase(seg, n, pol, Phase::BwdDq);  // Lk == 0 gives dq = 0
+    run_phase(seg, n, pol, Phase::BwdDkDv);
   }
 }
+
+void run_forward(AttnParams& p, const KernelPolicy& pol) { run_forward_segments(&p, 1, pol); }
+void run_backward(AttnParams& p, const KernelPolicy& pol) { run_backward_segments(&p, 1, pol); }
 
 std::string forward_event(const KernelPolicy& pol, DType dt) {
   const Phase phase = pol.decode       ? Phase::DecodeSplit

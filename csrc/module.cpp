@@ -283,6 +283,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("fn"), "called once per distinct fallback reason");
   m.def("reset_fallback_notes", &flashsdpa::reset_fallback_notes);
+  m.def(
+      "check_seqlens",
+      [](const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t total_q, int64_t total_k,
+         int64_t max_q, int64_t max_k) {
+        std::vector<int32_t> a, b;
+        flashsdpa::check_seqlens(cu_q, cu_k, total_q, total_k, max_q, max_k, &a, &b);
+        return std::make_pair(a, b);
+      },
+      "the varlen ops' checks of cu_seqlens_q / _k: (cu_q, cu_k) as lists, or ValueError");
 
   // Test and tuning hooks (flashsdpa/_testing.py wraps them): not part of the public surface.
   py::module_ t = m.def_submodule("testing", "test and tuning hooks (flashsdpa._testing)");

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "cpu/isa.h"
 #include "driver.h"
@@ -297,6 +298,253 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   return {dq, dk, dv, dsinks};
 }
 
+// ---- packed variable-length batches ----------------------------------------------------------------
+namespace {
+
+// A packed batch: sequence s has the query rows [cu_q[s], cu_q[s + 1]) of q (total_q, Hq, D)
+// and the key rows [cu_k[s], cu_k[s + 1]) of k / v (total_k, Hkv, D[v]).
+struct Varlen {
+  std::vector<int32_t> cu_q, cu_k;
+  int64_t batch() const { return int64_t(cu_q.size()) - 1; }
+  int64_t len_q(int64_t s) const { return cu_q[s + 1] - cu_q[s]; }
+  int64_t len_k(int64_t s) const { return cu_k[s + 1] - cu_k[s]; }
+};
+
+constexpr const char* kVarlen = "flashsdpa.flash_attn_varlen_func: ";
+
+std::vector<int32_t> prefix_sums(const at::Tensor& cu, const char* name, int64_t rows,
+                                 const char* rows_of, int64_t max_len, const char* max_name) {
+  TORCH_CHECK_VALUE(cu.scalar_type() == at::kInt && cu.dim() == 1 && cu.numel() >= 1, kVarlen,
+                    name, " must be a 1-D int32 tensor of batch + 1 prefix sums, got ",
+                    cu.scalar_type(), " of shape ", cu.sizes());
+  TORCH_CHECK_VALUE(cu.device().is_cpu(), kVarlen, name, " must be on the CPU with q, got ",
+                    cu.device());
+  const at::Tensor c = cu.contiguous();
+  const int32_t* d = c.data_ptr<int32_t>();
+  std::vector<int32_t> out(d, d + c.numel());
+  TORCH_CHECK_VALUE(out[0] == 0, kVarlen, name, "[0] must be 0, got ", out[0]);
+  int64_t longest = 0;
+  for (size_t s = 0; s + 1 < out.size(); ++s) {
+    TORCH_CHECK_VALUE(out[s + 1] >= out[s], kVarlen, name, " must be non-decreasing, but ", name,
+                      "[", s + 1, "] = ", out[s + 1], " < ", name, "[", s, "] = ", out[s]);
+    longest = std::max<int64_t>(longest, out[s + 1] - out[s]);
+  }
+  TORCH_CHECK_VALUE(out.back() == rows, kVarlen, name, "[-1] must be the number of rows of ",
+                    rows_of, " (", rows, "), got ", out.back());
+  TORCH_CHECK_VALUE(longest <= max_len, kVarlen, max_name, " (", max_len,
+                    ") must be at least the longest sequence in ", name, " (", longest, ")");
+  return out;
+}
+
+}  // namespace
+
+void check_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t total_q,
+                   int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                   std::vector<int32_t>* cu_q, std::vector<int32_t>* cu_k) {
+  *cu_q = prefix_sums(cu_seqlens_q, "cu_seqlens_q", total_q, "q", max_seqlen_q, "max_seqlen_q");
+  *cu_k = prefix_sums(cu_seqlens_k, "cu_seqlens_k", total_k, "k", max_seqlen_k, "max_seqlen_k");
+  TORCH_CHECK_VALUE(cu_k->size() == cu_q->size(), kVarlen,
+                    "cu_seqlens_k must have as many entries as cu_seqlens_q (", cu_q->size(),
+                    "), got ", cu_k->size());
+}
+
+namespace {
+
+// The checks of a varlen call: the three tensors' shapes, the prefix sums, and (on the
+// (batch, H, 0, D) shape of the padded batch, which holds no data) the ops' own checks.
+Varlen check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                    FLASHSDPA_VARIANT_PARAMS) {
+  const char* names[3] = {"q", "k", "v"};
+  const at::Tensor* ts[3] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK_VALUE(ts[i]->dim() == 3, kVarlen, names[i],
+                      " must be 3-D (total_tokens, heads, head_dim), got ", ts[i]->dim(), "-D");
+  TORCH_CHECK_VALUE(v.size(0) == k.size(0), kVarlen, "v must have as many rows as k (", k.size(0),
+                    "), got ", v.size(0));
+  Varlen vl;
+  check_seqlens(cu_seqlens_q, cu_seqlens_k, q.size(0), k.size(0), max_seqlen_q, max_seqlen_k,
+                &vl.cu_q, &vl.cu_k);
+  const int64_t B = vl.batch();
+  const auto padded = [&](const at::Tensor& t) {
+    return at::empty({B, t.size(1), 0, t.size(2)}, t.options());
+  };
+  check_op_inputs(padded(q), padded(k), padded(v), c10::nullopt, dropout_p,
+                  FLASHSDPA_VARIANT_ARGS);
+  return vl;
+}
+
+// (1, H, total, D) views of the packed tensors: fill_common's shape, B = 1 and L = total rows.
+at::Tensor as_4d(const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); }
+
+const char* element_at(const void* base, int64_t row, int64_t row_stride, int64_t esize) {
+  return static_cast<const char*>(base) + row * row_stride * esize;
+}
+
+// Sequence s of a packed call as one segment (driver.h): B = 1, its lengths, its rows, its
+// bottom-right diagonal, its ALiBi slopes, and its own dropout stream (offset + s).
+AttnParams segment(const AttnParams& base, const Varlen& vl, int64_t s, int64_t esize) {
+  AttnParams p = base;
+  const int64_t q0 = vl.cu_q[s], k0 = vl.cu_k[s];
+  p.Lq = vl.len_q(s);
+  p.Lk = vl.len_k(s);
+  p.diag = p.Lk - p.Lq;
+  p.q = element_at(base.q, q0, base.q_sl, esize);
+  p.k = element_at(base.k, k0, base.k_sl, esize);
+  p.v = element_at(base.v, k0, base.v_sl, esize);
+  p.out = const_cast<char*>(element_at(base.out, q0, base.o_sl, esize));
+  p.lse = base.lse + q0 * base.lse_sl;
+  if (base.alibi && base.alibi_sb) p.alibi = base.alibi + s * base.alibi_sb, p.alibi_sb = 0;
+  p.offset = base.offset + uint64_t(s);
+  if (base.dout) {  // backward
+    p.dout = element_at(base.dout, q0, base.do_sl, esize);
+    p.dq = const_cast<char*>(element_at(base.dq, q0, base.dq_sl, esize));
+    p.dk = const_cast<char*>(element_at(base.dk, k0, base.dk_sl, esize));
+    p.dv = const_cast<char*>(element_at(base.dv, k0, base.dv_sl, esize));
+    p.delta = base.delta + q0 * base.Hq;  // contiguous (Hq, Lq) per segment
+  }
+  return p;
+}
+
+// The policy of a packed call: that of its largest sequence (the bulk of the work).
+const AttnParams& largest(const std::vector<AttnParams>& seg) {
+  size_t best = 0;
+  for (size_t s = 1; s < seg.size(); ++s)
+    if (seg[s].Lq * seg[s].Lk > seg[best].Lq * seg[best].Lk) best = s;
+  return seg[best];
+}
+
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    FLASHSDPA_VARLEN_PARAMS) {
+  const bool bottom_right = true;
+  const Varlen vl = check_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, dropout_p, FLASHSDPA_VARIANT_ARGS);
+  const at::Tensor q = last_dim_unit_stride(query);
+  const at::Tensor k = last_dim_unit_stride(key);
+  const at::Tensor v = last_dim_unit_stride(value);
+  const int64_t total_q = q.size(0), Hq = q.size(1);
+  at::Tensor out = at::empty({total_q, Hq, v.size(2)}, q.options());
+  at::Tensor lse = at::empty({Hq, total_q}, q.options().dtype(at::kFloat));
+  at::Tensor rng = at::zeros({2}, q.options().dtype(at::kLong));
+  poison(out);
+  poison(lse);
+
+  AttnParams base;
+  fill_common(base, as_4d(q), as_4d(k), as_4d(v), c10::nullopt, dropout_p, causal,
+              softmax_scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(base, window_left, window_right, bottom_right, softcap, vt, /*lse_neg_inf=*/true);
+  if (dropout_p > 0.0) {
+    draw_dropout_seed(base);
+    rng.data_ptr<int64_t>()[0] = int64_t(base.seed);
+    rng.data_ptr<int64_t>()[1] = int64_t(base.offset);
+  }
+  base.out = out.data_ptr();
+  base.o_sh = out.stride(1), base.o_sl = out.stride(0);
+  base.lse = lse.data_ptr<float>();
+  base.lse_sh = lse.stride(0), base.lse_sl = 1;
+
+  std::vector<AttnParams> seg;
+  for (int64_t s = 0; s < vl.batch(); ++s) {
+    if (vl.len_q(s) == 0) continue;
+    if (vl.len_k(s) == 0) {  // rows that see no key: 0, lse the sink's score or -inf
+      out.narrow(0, vl.cu_q[s], vl.len_q(s)).zero_();
+      at::Tensor l = lse.narrow(1, vl.cu_q[s], vl.len_q(s));
+      if (vt.sinks.defined())
+        l.copy_(vt.sinks.view({Hq, 1}).expand_as(l));
+      else
+        l.fill_(-std::numeric_limits<float>::infinity());
+      continue;
+    }
+    seg.push_back(segment(base, vl, s, q.element_size()));
+  }
+  if (!seg.empty()) {
+    const KernelPolicy pol = plan_forward(largest(seg), /*record=*/true, /*segmented=*/true);
+    run_forward_segments(seg.data(), int64_t(seg.size()), pol);
+  }
+  return {out, lse, rng};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS) {
+  const bool bottom_right = true;
+  const Varlen vl = check_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, dropout_p, FLASHSDPA_VARIANT_ARGS);
+  const int64_t total_q = query.size(0), Hq = query.size(1);
+  const std::vector<int64_t> o_shape{total_q, Hq, value.size(2)};
+  TORCH_CHECK(grad_out.sizes() == o_shape && out.sizes() == o_shape, "flashsdpa: grad_out and "
+              "out must have shape ", o_shape, ", got ", grad_out.sizes(), " and ", out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == query.scalar_type() &&
+                  out.scalar_type() == query.scalar_type(),
+              "flashsdpa: grad_out and out must have q's dtype (", query.scalar_type(), ")");
+  TORCH_CHECK(logsumexp.scalar_type() == at::kFloat && logsumexp.dim() == 2 &&
+                  logsumexp.size(0) == Hq && logsumexp.size(1) == total_q,
+              "flashsdpa: logsumexp must be float32 of shape (", Hq, ", ", total_q, "), got ",
+              logsumexp.scalar_type(), " ", logsumexp.sizes());
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "flashsdpa: rng_state must be the int64[2] (seed, offset) the forward returned");
+  const at::Tensor q = last_dim_unit_stride(query);
+  const at::Tensor k = last_dim_unit_stride(key);
+  const at::Tensor v = last_dim_unit_stride(value);
+  const at::Tensor o = last_dim_unit_stride(out);
+  const at::Tensor dO = last_dim_unit_stride(grad_out);
+  const at::Tensor lse = logsumexp.stride(1) == 1 ? logsumexp : logsumexp.contiguous();
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  at::Tensor delta = at::empty({total_q * Hq}, q.options().dtype(at::kFloat));
+  poison(dq);
+  poison(dk);
+  poison(dv);
+  poison(delta);
+
+  AttnParams base;
+  fill_common(base, as_4d(q), as_4d(k), as_4d(v), c10::nullopt, dropout_p, causal,
+              softmax_scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(base, window_left, window_right, bottom_right, softcap, vt, false);
+  at::Tensor dsinks = at::zeros({vt.sinks.defined() ? Hq : 0}, q.options().dtype(at::kFloat));
+  base.dsinks = dsinks.data_ptr<float>();
+  if (dropout_p > 0.0) {
+    const at::Tensor rs = rng_state.cpu();
+    base.seed = uint64_t(rs.data_ptr<int64_t>()[0]);
+    base.offset = uint64_t(rs.data_ptr<int64_t>()[1]);
+  }
+  base.out = const_cast<void*>(o.data_ptr());
+  base.o_sh = o.stride(1), base.o_sl = o.stride(0);
+  base.lse = const_cast<float*>(lse.data_ptr<float>());
+  base.lse_sh = lse.stride(0), base.lse_sl = 1;
+  base.dout = dO.data_ptr();
+  base.do_sh = dO.stride(1), base.do_sl = dO.stride(0);
+  base.dq = dq.data_ptr();
+  base.dq_sh = dq.stride(1), base.dq_sl = dq.stride(0);
+  base.dk = dk.data_ptr();
+  base.dk_sh = dk.stride(1), base.dk_sl = dk.stride(0);
+  base.dv = dv.data_ptr();
+  base.dv_sh = dv.stride(1), base.dv_sl = dv.stride(0);
+  base.delta = delta.data_ptr<float>();
+
+  std::vector<AttnParams> seg;
+  for (int64_t s = 0; s < vl.batch(); ++s) {
+    if (vl.len_q(s) == 0 || vl.len_k(s) == 0) {  // nothing flows between q and k rows
+      dq.narrow(0, vl.cu_q[s], vl.len_q(s)).zero_();
+      dk.narrow(0, vl.cu_k[s], vl.len_k(s)).zero_();
+      dv.narrow(0, vl.cu_k[s], vl.len_k(s)).zero_();
+      continue;
+    }
+    seg.push_back(segment(base, vl, s, q.element_size()));
+  }
+  if (!seg.empty()) run_backward_segments(seg.data(), int64_t(seg.size()), plan_backward(largest(seg)));
+  return {dq, dk, dv, dsinks};
+}
+
 }  // namespace flashsdpa
 
 TORCH_LIBRARY(flashsdpa, m) {
@@ -326,9 +574,27 @@ TORCH_LIBRARY(flashsdpa, m) {
       "bool causal=False, int window_left=-1, int window_right=-1, float softcap=0., "
       "Tensor? alibi_slopes=None, Tensor? sinks=None) -> (Tensor out, Tensor logsumexp)",
       {at::Tag::nondeterministic_seeded});
+  // Packed variable-length batches, flash-attn's varlen layout and bottom-right alignment: q
+  // (total_q, H, D), k / v (total_k, Hkv, D[v]), cu_seqlens int32 (batch + 1) ->
+  // (out (total_q, H, Dv), logsumexp (H, total_q) fp32, -inf for a row that sees nothing,
+  // rng_state); autograd in autograd.cpp.
+  m.def(
+      "flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p=0., *, "
+      "float? softmax_scale=None, bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
+      ") -> (Tensor out, Tensor logsumexp, Tensor rng_state)",
+      {at::Tag::nondeterministic_seeded});
+  m.def(
+      "flash_attn_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor logsumexp, Tensor rng_state, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float dropout_p=0., *, float? softmax_scale=None, "
+      "bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
+      ") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
 }
 
 TORCH_LIBRARY_IMPL(flashsdpa, CPU, m) {
   m.impl("flash_attn_fwd", &flashsdpa::flash_attn_fwd_cpu);
   m.impl("flash_attn_bwd", &flashsdpa::flash_attn_bwd_cpu);
+  m.impl("flash_attn_varlen_fwd", &flashsdpa::flash_attn_varlen_fwd_cpu);
+  m.impl("flash_attn_varlen_bwd", &flashsdpa::flash_attn_varlen_bwd_cpu);
 }

@@ -3,6 +3,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <tuple>
+#include <vector>
 
 namespace flashsdpa {
 
@@ -20,6 +21,22 @@ namespace flashsdpa {
 #define FLASHSDPA_VARIANT_SCHEMA                                                          \
   "int window_left=-1, int window_right=-1, bool bottom_right=False, float softcap=0., " \
   "Tensor? alibi_slopes=None, Tensor? sinks=None"
+
+// The varlen ops' variants: flash-attn's alignment is implied (no bottom_right).
+#define FLASHSDPA_VARLEN_VARIANT_SCHEMA                                               \
+  "int window_left=-1, int window_right=-1, float softcap=0., Tensor? alibi_slopes=None, " \
+  "Tensor? sinks=None"
+#define FLASHSDPA_VARLEN_PARAMS                                                          \
+  const at::Tensor &cu_seqlens_q, const at::Tensor &cu_seqlens_k, int64_t max_seqlen_q, \
+      int64_t max_seqlen_k, double dropout_p, c10::optional<double> softmax_scale, bool causal, \
+      int64_t window_left, int64_t window_right, double softcap,                        \
+      const c10::optional<at::Tensor>&alibi_slopes, const c10::optional<at::Tensor>&sinks
+#define FLASHSDPA_VARLEN_TYPES                                                            \
+  const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, c10::optional<double>, bool, \
+      int64_t, int64_t, double, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&
+#define FLASHSDPA_VARLEN_ARGS                                                              \
+  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, \
+      window_left, window_right, softcap, alibi_slopes, sinks
 
 using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
@@ -44,6 +61,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
     bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS);
+
+using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, FLASHSDPA_VARLEN_TYPES);
+using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, FLASHSDPA_VARLEN_TYPES);
+
+// Packed variable-length batches (flash-attn's varlen semantics, bottom-right alignment):
+// q (total_q, Hq, D), k / v (total_k, Hkv, D[v]) -> (out (total_q, Hq, Dv) contiguous,
+// logsumexp (Hq, total_q) fp32, -inf for a row that sees nothing, rng_state int64[2]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    FLASHSDPA_VARLEN_PARAMS);
+// -> (grad_q, grad_k, grad_v contiguous like q / k / v, grad_sinks fp32 (H,) or empty)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+    const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
+    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS);
+
+// cu_seqlens_q / _k (CPU int32, batch + 1 prefix sums from 0 to total_q / total_k, longest
+// sequence within max_seqlen_q / _k) as vectors, or a ValueError naming the argument.
+void check_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t total_q,
+                   int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                   std::vector<int32_t>* cu_q, std::vector<int32_t>* cu_k);
 
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 

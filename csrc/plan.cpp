@@ -72,11 +72,11 @@ KernelPolicy base_policy(const AttnParams& p) {
 
 }  // namespace
 
-KernelPolicy plan_forward(const AttnParams& p, bool record) {
+KernelPolicy plan_forward(const AttnParams& p, bool record, bool segmented) {
   const PolicyOverride o = current_override();
   KernelPolicy pol = base_policy(p);
   const CpuTier& tier = *pol.tier;
-  pol.decode = p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
+  pol.decode = !segmented && p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
   // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
   const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
                      p.win_left < 0 && p.win_right < 0 && p.softcap == 0.0f && !p.alibi &&
@@ -91,7 +91,7 @@ KernelPolicy plan_forward(const AttnParams& p, bool record) {
   if (pol.whole_q) pol.bq = int(round_up(std::max<int64_t>(p.Lq, 1), tier.mr));
   // Pack K^T / V once when each kv block is read by more than one q block (several per head,
   // or several query heads per kv head); the transposed path reads K and V in place.
-  pol.prepack = !pol.decode && !pol.transposed &&
+  pol.prepack = !segmented && !pol.decode && !pol.transposed &&
                 choose(o.prepack, p.Lq > pol.bq || p.Hq > p.Hkv);
   if (record) t_last = pol;
   return pol;

@@ -26,7 +26,9 @@ struct KernelPolicy {
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
 // (record = false: explain() asking, not a call)
-KernelPolicy plan_forward(const AttnParams& p, bool record = true);
+// segmented: a call of many segments (driver.h, run_forward_segments), p its longest one: the
+// policy of that segment, without the decode path and the pre-pack phase.
+KernelPolicy plan_forward(const AttnParams& p, bool record = true, bool segmented = false);
 KernelPolicy plan_backward(const AttnParams& p);
 
 // Testing and tuning: parts of the policy forced process-wide (-1 / 0: the plan's own choice).

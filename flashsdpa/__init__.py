@@ -9,7 +9,8 @@ torch.nn.functional.scaled_dot_product_attention.
 Importing flashsdpa never imports Triton.
 """
 from . import _ops  # noqa: F401  (registers torch.ops.flashsdpa.* and their autograd)
-from ._api import explain, flash_attn_func, scaled_dot_product_attention
+from ._api import (explain, flash_attn_func, flash_attn_varlen_func,
+                   scaled_dot_product_attention)
 from ._isa import configure_from_env as _configure_from_env
 from ._isa import cpu_isa
 from ._routing import disable, enable, enabled, is_enabled
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "scaled_dot_product_attention",
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "explain",
     "enable",
     "disable",

@@ -88,6 +88,52 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 
 _flash_attn_op = torch.ops.flashsdpa.flash_attn.default
+_varlen_op = torch.ops.flashsdpa.flash_attn_varlen_fwd.default
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, alibi_slopes=None, sinks=None, deterministic=True,
+                           return_lse=False):
+    """flash-attn's flash_attn_varlen_func on flashsdpa's kernels: a packed batch of sequences of
+    different lengths, no padding.
+
+    q (total_q, H, D), k / v (total_k, Hkv, D[v]); sequence s has the rows
+    cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and cu_seqlens_k[s]:cu_seqlens_k[s + 1] of k / v
+    (cu_seqlens_* int32 (batch + 1,) prefix sums from 0 to total_q / total_k; max_seqlen_* at
+    least the longest sequence). -> out (total_q, H, Dv), and with return_lse also lse
+    (H, total_q) float32. Per sequence exactly flash_attn_func's semantics (bottom-right causal
+    and windows, softcap, alibi_slopes (H,) or (batch, H), sinks (H,), dropout); positions
+    (ALiBi, windows) count from each sequence's start. Differentiable in q, k, v and sinks. One
+    kernel call for the whole batch: its work is split across and within the sequences.
+    float64 and GPU tensors run flash_attn_func per sequence (math fallback for the variants).
+    """
+    del deterministic  # every flashsdpa backward is deterministic
+    left, right = _window(window_size)
+    if q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES:
+        out, lse, _ = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                 int(max_seqlen_k), float(dropout_p),
+                                 softmax_scale=softmax_scale, causal=bool(causal),
+                                 window_left=left, window_right=right, softcap=float(softcap),
+                                 alibi_slopes=alibi_slopes, sinks=sinks)
+        return (out, lse) if return_lse else out
+    # per sequence, through flash_attn_func (its routing; the same checks of cu_seqlens)
+    cu_q, cu_k = _C.check_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), q.shape[0], k.shape[0],
+                                  int(max_seqlen_q), int(max_seqlen_k))
+    outs, lses = [], []
+    for s in range(len(cu_q) - 1):
+        slopes = alibi_slopes[s] if alibi_slopes is not None and alibi_slopes.dim() == 2 \
+            else alibi_slopes
+        o, lse = flash_attn_func(
+            q[cu_q[s]:cu_q[s + 1]].unsqueeze(0), k[cu_k[s]:cu_k[s + 1]].unsqueeze(0),
+            v[cu_k[s]:cu_k[s + 1]].unsqueeze(0), dropout_p, softmax_scale, causal, (left, right),
+            softcap, slopes, sinks, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0])
+    out = torch.cat(outs) if outs else q.new_empty((0, q.shape[1], v.shape[2]))
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    return (out, lse) if return_lse else out
 
 
 # ---- explain ---------------------------------------------------------------------------------------

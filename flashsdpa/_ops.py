@@ -7,6 +7,11 @@ torch.ops.flashsdpa.flash_attn_bwd(grad_out, query, key, value, out, logsumexp, 
                                    attn_mask=None, dropout_p=0., is_causal=False, *, scale=None,
                                    <variants>)
     -> (grad_query, grad_key, grad_value, grad_sinks)
+torch.ops.flashsdpa.flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, dropout_p=0., *, softmax_scale=None,
+                                          causal=False, <variants but bottom_right>)
+    -> (out (total_q, H, Dv), logsumexp (H, total_q), rng_state); flash_attn_varlen_bwd likewise
+    -> (grad_q, grad_k, grad_v, grad_sinks), the gradients contiguous
 <variants>: window_left=-1, window_right=-1, bottom_right=False, softcap=0., alibi_slopes=None,
 sinks=None (csrc/ops.h, csrc/params.h)
 
@@ -54,8 +59,32 @@ def _bwd_fake(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask=
     dsinks = query.new_empty((query.shape[1] if sinks is not None else 0,), dtype=torch.float32)
     return grad_like(query), grad_like(key), grad_like(value), dsinks
 
+@torch.library.register_fake("flashsdpa::flash_attn_varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     dropout_p=0.0, *, softmax_scale=None, causal=False, window_left=-1,
+                     window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None):
+    total_q, heads = q.shape[0], q.shape[1]
+    out = q.new_empty((total_q, heads, v.shape[2]))
+    lse = q.new_empty((heads, total_q), dtype=torch.float32)
+    return out, lse, q.new_empty((2,), dtype=torch.int64)
+
+
+@torch.library.register_fake("flashsdpa::flash_attn_varlen_bwd")
+def _varlen_bwd_fake(grad_out, q, k, v, out, logsumexp, rng_state, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, dropout_p=0.0, *, softmax_scale=None,
+                     causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                     alibi_slopes=None, sinks=None):
+    dsinks = q.new_empty((q.shape[1] if sinks is not None else 0,), dtype=torch.float32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
+
+
 # Autograd: a C++ torch::autograd::Function (csrc/autograd.cpp) on the Autograd key, so calls
 # cost no Python; its backward calls flash_attn_bwd through the dispatcher.
+
+
+# The ops the extension defines (csrc/ops.cpp), whose schemas key the compile caches.
+NATIVE_OPS = ("flash_attn_fwd", "flash_attn_bwd", "sdpa", "flash_attn", "flash_attn_varlen_fwd",
+              "flash_attn_varlen_bwd")
 
 
 def _tag_compile_caches():
@@ -65,9 +94,8 @@ def _tag_compile_caches():
     import hashlib
 
     import torch.compiler.config as compiler_config
-    schemas = "\n".join(str(op._schema) for op in (
-        flash_attn_fwd, flash_attn_bwd, torch.ops.flashsdpa.sdpa.default,
-        torch.ops.flashsdpa.flash_attn.default))
+    schemas = "\n".join(str(getattr(torch.ops.flashsdpa, name).default._schema)
+                        for name in NATIVE_OPS)
     tag = "flashsdpa-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
     tags = [t for t in compiler_config.cache_key_tag.split(",")
             if t and not t.startswith("flashsdpa-ops-")]

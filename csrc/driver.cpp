@@ -144,11 +144,18 @@ void run_phase(const AttnParams* seg, int64_t n, const KernelPolicy& pol, Phase 
   run_phase(seg, n, pol, phase, plan_segments(seg, n, pol, phase));
 }
 
-// Each segment's share (64-byte aligned, from its plan's shared_bytes) of one shared buffer.
+// Each segment's share of one shared buffer: byte offsets (64-byte aligned, from the plans'
+// shared_bytes), the total at the end.
+std::vector<int64_t> shares(const std::vector<PhasePlan>& plans) {
+  std::vector<int64_t> at(plans.size() + 1, 0);
+  for (size_t s = 0; s < plans.size(); ++s)
+    at[s + 1] = at[s] + (plans[s].shared_bytes + 63) / 64 * 64;
+  return at;
+}
+
 void share_out(AttnParams* seg, int64_t n, const std::vector<PhasePlan>& plans,
                float* AttnParams::*field, c10::DataPtr* owner) {
-  std::vector<int64_t> at(n + 1, 0);
-  for (int64_t s = 0; s < n; ++s) at[s + 1] = at[s] + (plans[s].shared_bytes + 63) / 64 * 64;
+  const std::vector<int64_t> at = shares(plans);
   char* base = reinterpret_cast<char*>(shared_buffer(at[n], owner));
   for (int64_t s = 0; s < n; ++s) seg[s].*field = reinterpret_cast<float*>(base + at[s]);
 }
@@ -165,8 +172,7 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
 
 void run_forward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
   if (n <= 0) return;
-  TORCH_CHECK(n == 1 || (!pol.decode && !pol.prepack), "flashsdpa: segmented calls take "
-              "neither the decode path nor the pre-pack phase");
+  TORCH_CHECK(n == 1 || !pol.decode, "flashsdpa: segmented calls do not take the decode path");
   set_blocks(seg, n, pol);
   AttnParams& p = seg[0];
   if (pol.decode) {
@@ -178,13 +184,17 @@ void run_forward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
     return;
   }
   c10::DataPtr pack_owner;
-  if (pol.prepack) {
-    const PhasePlan pack = pol.tier->plan(p, Phase::PackKV);
-    if (pack.n_items > 0) {
-      p.kv_pack = pack_workspace(pack.shared_bytes, &pack_owner);
-      if (g_debug_poison.load(std::memory_order_relaxed))
-        std::memset(p.kv_pack, 0xFF, pack.shared_bytes);
-      run_phase(&p, 1, pol, Phase::PackKV, {pack});
+  if (pol.prepack) {  // the segments it pays for (each segment's panels in its own share)
+    std::vector<PhasePlan> pack = plan_segments(seg, n, pol, Phase::PackKV);
+    for (int64_t s = 0; s < n; ++s)
+      if (!prepack_pays(seg[s], pol)) pack[s] = PhasePlan{0, 0, 0};
+    const std::vector<int64_t> at = shares(pack);
+    if (at[n] > 0) {
+      char* base = reinterpret_cast<char*>(pack_workspace(at[n], &pack_owner));
+      if (g_debug_poison.load(std::memory_order_relaxed)) std::memset(base, 0xFF, at[n]);
+      for (int64_t s = 0; s < n; ++s)
+        seg[s].kv_pack = pack[s].n_items > 0 ? reinterpret_cast<float*>(base + at[s]) : nullptr;
+      run_phase(seg, n, pol, Phase::PackKV, pack);
     }
   }
   run_phase(seg, n, pol, pol.transposed ? Phase::ForwardTransposed : Phase::Forward);

@@ -89,12 +89,14 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool segmented) {
   pol.whole_q = o.fwd_bq == 0 &&
                 choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);
   if (pol.whole_q) pol.bq = int(round_up(std::max<int64_t>(p.Lq, 1), tier.mr));
-  // Pack K^T / V once when each kv block is read by more than one q block (several per head,
-  // or several query heads per kv head); the transposed path reads K and V in place.
-  pol.prepack = !segmented && !pol.decode && !pol.transposed &&
-                choose(o.prepack, p.Lq > pol.bq || p.Hq > p.Hkv);
+  // Pack K^T / V once where that pays (prepack_pays); the transposed path reads K and V in place.
+  pol.prepack = !pol.decode && !pol.transposed && prepack_pays(p, pol);
   if (record) t_last = pol;
   return pol;
+}
+
+bool prepack_pays(const AttnParams& p, const KernelPolicy& pol) {
+  return choose(current_override().prepack, p.Lq > pol.bq || p.Hq > p.Hkv);
 }
 
 KernelPolicy plan_backward(const AttnParams& p) {

@@ -236,3 +236,25 @@ def test_varlen_compile_fullgraph_one_node():
     assert frames[0] >= 1 and frames[1:] == frames[:1] * 2, frames
     ops = [n.target for n in cnt.graphs[-1].graph.nodes if n.op == "call_function"]
     assert torch.ops.flashsdpa.flash_attn_varlen_fwd.default in ops, ops
+
+
+def test_varlen_prepacks_the_segments_it_pays_for(tier):
+    """The pre-pack phase runs in a varlen call (for the sequences whose kv blocks several q
+    blocks read: the long one here), and changes no bit of the result."""
+    from test_paths import profiled_events
+    lens = [300, 20, 9]
+    c = cu(lens)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(lens), 2, 32, generator=g) for _ in range(3))
+
+    def run():
+        return flashsdpa.flash_attn_varlen_func(q, k, v, c, c, 300, 300, causal=True)
+
+    with _testing.policy(fwd_bq=64):
+        names = profiled_events(run)
+        packed = run()
+        assert _testing.last_policy()["prepack"]
+    assert any(n.startswith("flashsdpa::cpu_pack_kv") for n in names), names
+    with _testing.policy(fwd_bq=64, prepack=0):
+        assert not any(n.startswith("flashsdpa::cpu_pack_kv") for n in profiled_events(run))
+        assert torch.equal(run(), packed)

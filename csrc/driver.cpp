@@ -172,15 +172,13 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
 
 void run_forward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
   if (n <= 0) return;
-  TORCH_CHECK(n == 1 || !pol.decode, "flashsdpa: segmented calls do not take the decode path");
   set_blocks(seg, n, pol);
-  AttnParams& p = seg[0];
   if (pol.decode) {
-    const PhasePlan split = pol.tier->plan(p, Phase::DecodeSplit);
+    const std::vector<PhasePlan> split = plan_segments(seg, n, pol, Phase::DecodeSplit);
     c10::DataPtr parts;
-    p.dec_part = shared_buffer(split.shared_bytes, &parts);
-    run_phase(&p, 1, pol, Phase::DecodeSplit, {split});
-    run_phase(&p, 1, pol, Phase::DecodeMerge);
+    share_out(seg, n, split, &AttnParams::dec_part, &parts);
+    run_phase(seg, n, pol, Phase::DecodeSplit, split);
+    run_phase(seg, n, pol, Phase::DecodeMerge);
     return;
   }
   c10::DataPtr pack_owner;

@@ -16,9 +16,9 @@ void run_backward(AttnParams& p, const KernelPolicy& pol);
 // A call made of independent segments, one AttnParams each (a packed variable-length batch: one
 // per sequence, B = 1, pointers at its rows): every phase runs over the items of all segments in
 // one parallel loop, so one long and many short sequences share the threads, and no result
-// depends on the thread count. The policy is the whole call's (plan_forward with segmented =
-// true: no decode path); pre-packing runs for the segments it pays for (prepack_pays). Backward
-// with sinks: seg[0].dsinks receives the sum over the segments (each segment's dsinks unused).
+// depends on the thread count. The policy is the whole call's (plan_forward of its largest
+// segment); pre-packing runs for the segments it pays for (prepack_pays). Backward with sinks:
+// seg[0].dsinks receives the sum over the segments (each segment's dsinks unused).
 void run_forward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol);
 void run_backward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol);
 

@@ -407,12 +407,18 @@ AttnParams segment(const AttnParams& base, const Varlen& vl, int64_t s, int64_t 
   return p;
 }
 
-// The policy of a packed call: that of its largest sequence (the bulk of the work).
-const AttnParams& largest(const std::vector<AttnParams>& seg) {
+// What a call of many segments is planned for: its largest segment (the bulk of the work), with
+// the longest query length of all (so that a path chosen for short queries suits every segment).
+AttnParams largest(const std::vector<AttnParams>& seg) {
   size_t best = 0;
-  for (size_t s = 1; s < seg.size(); ++s)
+  int64_t lq = 0;
+  for (size_t s = 0; s < seg.size(); ++s) {
     if (seg[s].Lq * seg[s].Lk > seg[best].Lq * seg[best].Lk) best = s;
-  return seg[best];
+    lq = std::max(lq, seg[s].Lq);
+  }
+  AttnParams p = seg[best];
+  p.Lq = lq;
+  return p;
 }
 
 
@@ -464,7 +470,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
     seg.push_back(segment(base, vl, s, q.element_size()));
   }
   if (!seg.empty()) {
-    const KernelPolicy pol = plan_forward(largest(seg), /*record=*/true, /*segmented=*/true);
+    const KernelPolicy pol = plan_forward(largest(seg));
     run_forward_segments(seg.data(), int64_t(seg.size()), pol);
   }
   return {out, lse, rng};

@@ -40,6 +40,12 @@ struct AttnParams {
   int64_t v_sb, v_sh, v_sl;
   int64_t o_sb, o_sh, o_sl;
 
+  // Paged K / V (flash_attn_with_kvcache; the split-KV decode path only): key j of this call's
+  // (single) sequence is row j % page_size of page block_table[j / page_size], at
+  // k + page * k_spage + (j % page_size) * k_sl + hk * k_sh (v likewise). page_size 0: not paged.
+  const int32_t* block_table;
+  int64_t page_size, k_spage, v_spage;
+
   // logsumexp: [B, Hq, Lq] fp32, natural log of sum_j exp(scale * q.k_j + mask_j); 0 for rows
   // with no key to attend to (PyTorch's convention: the backward then sees P = 0 for them).
   float* lse;

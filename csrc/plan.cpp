@@ -72,11 +72,11 @@ KernelPolicy base_policy(const AttnParams& p) {
 
 }  // namespace
 
-KernelPolicy plan_forward(const AttnParams& p, bool record, bool segmented) {
+KernelPolicy plan_forward(const AttnParams& p, bool record) {
   const PolicyOverride o = current_override();
   KernelPolicy pol = base_policy(p);
   const CpuTier& tier = *pol.tier;
-  pol.decode = !segmented && p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
+  pol.decode = p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
   // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
   const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
                      p.win_left < 0 && p.win_right < 0 && p.softcap == 0.0f && !p.alibi &&

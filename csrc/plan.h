@@ -25,10 +25,9 @@ struct KernelPolicy {
 
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
-// (record = false: explain() asking, not a call)
-// segmented: a call of many segments (driver.h, run_forward_segments), p its largest one: the
-// policy of that segment, without the decode path.
-KernelPolicy plan_forward(const AttnParams& p, bool record = true, bool segmented = false);
+// (record = false: explain() asking, not a call). A call of many segments (driver.h,
+// run_forward_segments) takes the policy of its largest segment.
+KernelPolicy plan_forward(const AttnParams& p, bool record = true);
 // Whether packing K^T / V once pays for the call (or segment) p under pol's blocks: each kv
 // block is read by more than one q block (several per head, or several query heads per kv head).
 // (A forced prepack overrides it.)

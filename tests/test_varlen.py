@@ -19,6 +19,9 @@ CASES = {
                            dict(window=(20, 4), alibi="BH", sinks=True)),
     "all": ([60, 33, 1, 0], [64, 90, 20, 5], 4, 2, 24, 16,
             dict(causal=True, window=(25, -1), softcap=2.0, alibi="H", sinks=True)),
+    # every sequence short: the split-KV decode path, per sequence
+    "decode": ([1, 3, 16, 2], [300, 40, 1000, 7], 4, 1, 32, 32,
+               dict(causal=True, window=(200, 0), alibi="BH", sinks=True)),
 }
 
 
@@ -110,6 +113,7 @@ def test_varlen_equals_each_sequence(tier, name, dtype):
         check_packed(q, k, v, cu_q, cu_k, kw, dtype, f"{tier} {name}")
         assert_kernel_ran(counts, tier, dtype)
         assert counts()["bwd_tiles"] > 0
+        assert (counts()["decode_blocks"] > 0) == (name == "decode")
 
 
 def test_varlen_rows_of_empty_sequences():

@@ -79,6 +79,27 @@ struct FlashDecode {
   static int64_t split_items(const AttnParams& p) { return p.B * p.Hkv * n_splits(p); }
   static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
 
+  // Keys [j0, j0 + nk) as runs of consecutive rows: one run unpaged; paged, one per page the
+  // keys cross. fn(page_row, c0, n): keys j0 + c0 .. + n, the first at row page_row of its
+  // page (-1 unpaged).
+  template <class Fn>
+  static void for_runs(const AttnParams& p, int64_t j0, int nk, Fn&& fn) {
+    if (p.page_size == 0) return fn(int64_t(-1), 0, nk);
+    for (int c0 = 0; c0 < nk;) {
+      const int64_t row = (j0 + c0) % p.page_size;
+      const int n = int(min64(nk - c0, p.page_size - row));
+      fn(row, c0, n);
+      c0 += n;
+    }
+  }
+  // K or V row j (at `row` of its page when paged).
+  static const T* kv_row(const void* base, const AttnParams& p, int64_t b, int64_t hk, int64_t j,
+                         int64_t row, int64_t sl, int64_t spage, int64_t sh, int64_t sb) {
+    const T* t = static_cast<const T*>(base) + hk * sh;
+    if (row < 0) return t + b * sb + j * sl;
+    return t + int64_t(p.block_table[j / p.page_size]) * spage + row * sl;
+  }
+
   // Row r of the folded block: query head h = hk * group + r / Lq, query row i = r % Lq.
   static void run_split(const AttnParams& p, int64_t item, float* scratch) {
     const Layout L(p, scratch);
@@ -103,7 +124,10 @@ struct FlashDecode {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlock) {
       const int nk = int(min64(kBlock, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
-      Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+      for_runs(p, j0, nk, [&](int64_t page_row, int c0, int n) {  // K rows, page by page
+        Ops::decode_qk(kv_row(p.k, p, b, hk, j0 + c0, page_row, p.k_sl, p.k_spage, p.k_sh,
+                                 p.k_sb), p.k_sl, n, int(p.D), q, L.ldq, int(M), s + c0, L.lds);
+      });
       bool any = false;
       for (int64_t r = 0; r < M; ++r) {
         const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
@@ -118,8 +142,11 @@ struct FlashDecode {
                                        int(p.Dv));
       }
       if (any)
-        Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,
-                       L.ldacc);
+        for_runs(p, j0, nk, [&](int64_t page_row, int c0, int n) {
+          Ops::decode_pv(kv_row(p.v, p, b, hk, j0 + c0, page_row, p.v_sl, p.v_spage, p.v_sh,
+                                   p.v_sb), p.v_sl, n, int(p.Dv), s + c0, L.lds, int(M),
+                         acc, L.ldacc);
+        });
     }
     const int64_t ld_part = L.ldacc + 2;
     float* part = p.dec_part + item * M * ld_part;

@@ -551,6 +551,224 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
   return {dq, dk, dv, dsinks};
 }
 
+// ---- attention over a KV cache ----------------------------------------------------------------------
+namespace {
+
+constexpr const char* kKvcache = "flashsdpa.flash_attn_with_kvcache: ";
+
+// What a KV-cache call reads: per sequence b, its keys so far (seqlen[b], the new ones included)
+// and, paged, its row of the block table.
+struct KvCache {
+  bool paged = false;
+  int64_t page = 0, capacity = 0, n_new = 0;
+  std::vector<int64_t> seqlen;  // keys per sequence after the append
+  at::Tensor table;             // paged: int32 (B, max_blocks), contiguous
+};
+
+KvCache check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const c10::optional<at::Tensor>& k_new,
+                      const c10::optional<at::Tensor>& v_new,
+                      const c10::optional<at::Tensor>& cache_seqlens,
+                      const c10::optional<at::Tensor>& block_table) {
+  const char* names[3] = {"q", "k_cache", "v_cache"};
+  const at::Tensor* ts[3] = {&q, &k_cache, &v_cache};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK_VALUE(ts[i]->dim() == 4, kKvcache, names[i], " must be 4-D, got ", ts[i]->dim(),
+                      "-D");
+  const int64_t B = q.size(0), Hkv = k_cache.size(2);
+  KvCache c;
+  c.paged = block_table.has_value() && block_table->defined();
+  TORCH_CHECK_VALUE(v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == k_cache.size(1) &&
+                        v_cache.size(2) == Hkv,
+                    kKvcache, "v_cache must match k_cache in its first three dims ",
+                    k_cache.sizes().slice(0, 3), ", got ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == q.scalar_type() &&
+                        v_cache.scalar_type() == q.scalar_type(),
+                    kKvcache, "k_cache and v_cache must have q's dtype (", q.scalar_type(),
+                    "), got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  if (c.paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK_VALUE(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == B &&
+                          bt.device().is_cpu(),
+                      kKvcache, "block_table must be an int32 CPU tensor of shape (batch, "
+                      "max_blocks) = (", B, ", ...), got ", bt.scalar_type(), " ", bt.sizes(),
+                      " on ", bt.device());
+    c.page = k_cache.size(1);
+    TORCH_CHECK_VALUE(c.page >= 1, kKvcache, "k_cache's block_size (dim 1) must be >= 1");
+    c.capacity = bt.size(1) * c.page;
+    c.table = bt.contiguous();
+  } else {
+    TORCH_CHECK_VALUE(k_cache.size(0) == B, kKvcache, "k_cache must have q's batch size (", B,
+                      ") in dim 0 (or pass block_table for a paged cache), got ", k_cache.size(0));
+    c.capacity = k_cache.size(1);
+  }
+  const bool has_k = k_new.has_value() && k_new->defined();
+  const bool has_v = v_new.has_value() && v_new->defined();
+  TORCH_CHECK_VALUE(has_k == has_v, kKvcache, "k and v must be given together");
+  if (has_k) {
+    const at::Tensor &kn = *k_new, &vn = *v_new;
+    TORCH_CHECK_VALUE(kn.dim() == 4 && kn.size(0) == B && kn.size(2) == Hkv &&
+                          kn.size(3) == k_cache.size(3),
+                      kKvcache, "k must be (batch, new tokens, kv heads, head_dim) = (", B,
+                      ", n, ", Hkv, ", ", k_cache.size(3), "), got ", kn.sizes());
+    TORCH_CHECK_VALUE(vn.dim() == 4 && vn.size(0) == B && vn.size(1) == kn.size(1) &&
+                          vn.size(2) == Hkv && vn.size(3) == v_cache.size(3),
+                      kKvcache, "v must be (batch, new tokens, kv heads, head_dim_v) = (", B,
+                      ", ", kn.size(1), ", ", Hkv, ", ", v_cache.size(3), "), got ", vn.sizes());
+    TORCH_CHECK_VALUE(kn.scalar_type() == k_cache.scalar_type() &&
+                          vn.scalar_type() == v_cache.scalar_type(),
+                      kKvcache, "k and v must have the cache's dtype (", k_cache.scalar_type(),
+                      ")");
+    c.n_new = kn.size(1);
+  }
+  c.seqlen.assign(B, c.capacity);
+  if (cache_seqlens.has_value() && cache_seqlens->defined()) {
+    const at::Tensor& sl = *cache_seqlens;
+    TORCH_CHECK_VALUE(sl.scalar_type() == at::kInt && sl.dim() == 1 && sl.size(0) == B &&
+                          sl.device().is_cpu(),
+                      kKvcache, "cache_seqlens must be an int32 CPU tensor of shape (batch,) = (",
+                      B, ",) or an int, got ", sl.scalar_type(), " ", sl.sizes());
+    const at::Tensor slc = sl.contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = slc.data_ptr<int32_t>()[b];
+      TORCH_CHECK_VALUE(n >= 0 && n + c.n_new <= c.capacity, kKvcache, "cache_seqlens[", b,
+                        "] = ", n, " plus the ", c.n_new, " new tokens must fit the cache (",
+                        c.capacity, c.paged ? " = max_blocks * block_size" : " rows", ")");
+      c.seqlen[b] = n + c.n_new;
+    }
+  } else {
+    TORCH_CHECK_VALUE(!has_k, kKvcache, "cache_seqlens is needed to append k / v (where the "
+                      "new tokens go)");
+  }
+  if (c.paged) {  // every block a sequence reads (or appends to) is a block of the cache
+    const int32_t* bt = c.table.data_ptr<int32_t>();
+    const int64_t nb = k_cache.size(0), w = c.table.size(1);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < (c.seqlen[b] + c.page - 1) / c.page; ++i)
+        TORCH_CHECK_VALUE(bt[b * w + i] >= 0 && bt[b * w + i] < nb, kKvcache, "block_table[", b,
+                          ", ", i, "] = ", bt[b * w + i], " is not a block of k_cache (",
+                          nb, " blocks)");
+  }
+  return c;
+}
+
+// Rows [n0, n0 + n) of sequence b's cache (its pages when paged) as a list of (page or b, row,
+// count) runs of consecutive rows.
+template <class Fn>
+void cache_runs(const KvCache& c, int64_t b, int64_t n0, int64_t n, Fn&& fn) {
+  if (!c.paged) return fn(b, n0, n);
+  const int32_t* bt = c.table.data_ptr<int32_t>() + b * c.table.size(1);
+  for (int64_t j = n0; j < n0 + n;) {
+    const int64_t row = j % c.page, m = std::min(n0 + n - j, c.page - row);
+    fn(int64_t(bt[j / c.page]), row, m);
+    j += m;
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,
+    const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
+    c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, const c10::optional<at::Tensor>& alibi_slopes,
+    const c10::optional<at::Tensor>& sinks) {
+  const bool bottom_right = true;
+  const KvCache c = check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table);
+  const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2);
+  const at::Tensor q4 = last_dim_unit_stride(q).transpose(1, 2);  // (B, Hq, Lq, D)
+  // the kernels' checks (dtype, device, head counts and dims, the variants) on the shape of a
+  // contiguous cache, which holds no data
+  const auto shaped = [&](const at::Tensor& t) {
+    return at::empty({B, t.size(2), 0, t.size(3)}, t.options());
+  };
+  check_op_inputs(q4, shaped(k_cache), shaped(v_cache), c10::nullopt, 0.0, FLASHSDPA_VARIANT_ARGS);
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, kKvcache,
+              "k_cache and v_cache must have unit stride in their last dim (written in place)");
+
+  // the append: exactly the new tokens' rows of the cache, in place
+  for (int64_t b = 0; b < B && c.n_new > 0; ++b) {
+    int64_t t = 0;
+    cache_runs(c, b, c.seqlen[b] - c.n_new, c.n_new, [&](int64_t page, int64_t row, int64_t m) {
+      k_cache[page].narrow(0, row, m).copy_((*k_new)[b].narrow(0, t, m));
+      v_cache[page].narrow(0, row, m).copy_((*v_new)[b].narrow(0, t, m));
+      t += m;
+    });
+  }
+
+  at::Tensor out = at::empty({B, Lq, Hq, v_cache.size(3)}, q.options());
+  at::Tensor lse = at::empty({B, Hq, Lq}, q.options().dtype(at::kFloat));
+  poison(out);
+  poison(lse);
+  AttnParams base;
+  // (B, Hkv, L, D) views: a contiguous cache per sequence; a paged one per block (k_sb: the
+  // block stride)
+  fill_common(base, q4, k_cache.transpose(1, 2), v_cache.transpose(1, 2), c10::nullopt, 0.0,
+              causal, softmax_scale);
+  const VariantTensors vt(alibi_slopes, sinks);
+  fill_variants(base, window_left, window_right, bottom_right, softcap, vt, /*lse_neg_inf=*/true);
+  base.out = out.data_ptr();
+  base.o_sb = out.stride(0), base.o_sh = out.stride(2), base.o_sl = out.stride(1);
+  base.lse = lse.data_ptr<float>();
+  base.lse_sb = lse.stride(0), base.lse_sh = lse.stride(1), base.lse_sl = lse.stride(2);
+  const int64_t esize = q.element_size();
+
+  std::vector<AttnParams> seg;
+  for (int64_t b = 0; b < B; ++b) {
+    if (Lq == 0) break;
+    if (c.seqlen[b] == 0) {  // rows that see no key: 0, lse the sink's score or -inf
+      out[b].zero_();
+      if (vt.sinks.defined())
+        lse[b].copy_(vt.sinks.view({Hq, 1}).expand({Hq, Lq}));
+      else
+        lse[b].fill_(-std::numeric_limits<float>::infinity());
+      continue;
+    }
+    AttnParams p = base;
+    p.B = 1;
+    p.Lk = c.seqlen[b];
+    p.diag = p.Lk - p.Lq;
+    p.q = element_at(base.q, b, base.q_sb, esize);
+    p.out = const_cast<char*>(element_at(base.out, b, base.o_sb, esize));
+    p.lse = base.lse + b * base.lse_sb;
+    if (base.alibi && base.alibi_sb) p.alibi = base.alibi + b * base.alibi_sb, p.alibi_sb = 0;
+    if (c.paged) {
+      p.block_table = c.table.data_ptr<int32_t>() + b * c.table.size(1);
+      p.page_size = c.page;
+      p.k_spage = base.k_sb, p.v_spage = base.v_sb;
+    } else {
+      p.k = element_at(base.k, b, base.k_sb, esize);
+      p.v = element_at(base.v, b, base.v_sb, esize);
+    }
+    seg.push_back(p);
+  }
+  if (seg.empty()) return {out, lse};
+  const KernelPolicy pol = plan_forward(largest(seg));
+  // Paged and not on the decode path (a long chunk of queries): each sequence's blocks are
+  // gathered into contiguous K / V first, a copy that is small next to the prefill's work.
+  std::vector<at::Tensor> gathered;
+  if (c.paged && !pol.decode) {
+    for (auto& p : seg) {
+      const int64_t b = (p.block_table - c.table.data_ptr<int32_t>()) / c.table.size(1);
+      const int64_t nblocks = (p.Lk + c.page - 1) / c.page;
+      const at::Tensor idx = c.table[b].narrow(0, 0, nblocks).to(at::kLong);
+      for (int kv = 0; kv < 2; ++kv) {
+        const at::Tensor& cache = kv == 0 ? k_cache : v_cache;
+        at::Tensor g = cache.index_select(0, idx).flatten(0, 1).narrow(0, 0, p.Lk);  // (Lk, Hkv, D)
+        gathered.push_back(g);
+        (kv == 0 ? p.k : p.v) = g.data_ptr();
+        (kv == 0 ? p.k_sh : p.v_sh) = g.stride(1);
+        (kv == 0 ? p.k_sl : p.v_sl) = g.stride(0);
+      }
+      p.block_table = nullptr;
+      p.page_size = 0;
+    }
+  }
+  run_forward_segments(seg.data(), int64_t(seg.size()), pol);
+  return {out, lse};
+}
+
 }  // namespace flashsdpa
 
 TORCH_LIBRARY(flashsdpa, m) {
@@ -596,6 +814,16 @@ TORCH_LIBRARY(flashsdpa, m) {
       "int max_seqlen_q, int max_seqlen_k, float dropout_p=0., *, float? softmax_scale=None, "
       "bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
       ") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
+  // Attention over a KV cache, flash-attn's flash_attn_with_kvcache: q (B, Lq, H, D); a
+  // contiguous cache (B, Lcache, Hkv, D) or a paged one (num_blocks, block_size, Hkv, D) with
+  // block_table int32 (B, max_blocks); k / v (B, Lnew, Hkv, D) appended in place at
+  // cache_seqlens (int32 (B,)) first -> (out (B, Lq, H, Dv), logsumexp (B, H, Lq) fp32).
+  // Bottom-right alignment; no gradient.
+  m.def(
+      "flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
+      "Tensor? v=None, Tensor? cache_seqlens=None, Tensor? block_table=None, *, "
+      "float? softmax_scale=None, bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
+      ") -> (Tensor out, Tensor logsumexp)");
 }
 
 TORCH_LIBRARY_IMPL(flashsdpa, CPU, m) {
@@ -603,4 +831,5 @@ TORCH_LIBRARY_IMPL(flashsdpa, CPU, m) {
   m.impl("flash_attn_bwd", &flashsdpa::flash_attn_bwd_cpu);
   m.impl("flash_attn_varlen_fwd", &flashsdpa::flash_attn_varlen_fwd_cpu);
   m.impl("flash_attn_varlen_bwd", &flashsdpa::flash_attn_varlen_bwd_cpu);
+  m.impl("flash_attn_with_kvcache", &flashsdpa::flash_attn_with_kvcache_cpu);
 }

@@ -9,7 +9,7 @@ torch.nn.functional.scaled_dot_product_attention.
 Importing flashsdpa never imports Triton.
 """
 from . import _ops  # noqa: F401  (registers torch.ops.flashsdpa.* and their autograd)
-from ._api import (explain, flash_attn_func, flash_attn_varlen_func,
+from ._api import (explain, flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache,
                    scaled_dot_product_attention)
 from ._isa import configure_from_env as _configure_from_env
 from ._isa import cpu_isa
@@ -20,6 +20,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "explain",
     "enable",
     "disable",

@@ -136,6 +136,42 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
+_kvcache_op = torch.ops.flashsdpa.flash_attn_with_kvcache.default
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None,
+                            k_scale=None, v_scale=None, return_lse=False):
+    """flash-attn's flash_attn_with_kvcache on flashsdpa's kernels: attention of new queries over
+    a KV cache, after appending the new keys / values to it in place.
+
+    q (B, Lq, H, D). A contiguous cache: k_cache / v_cache (B, Lcache, Hkv, D[v]); a paged one:
+    (num_blocks, block_size, Hkv, D[v]) with block_table int32 (B, max_blocks) (any block_size,
+    blocks in any order). cache_seqlens: int32 (B,) or an int, the tokens already in each
+    sequence's cache (None: the whole cache). k / v (B, Lnew, Hkv, D[v]), given: written at
+    rows cache_seqlens .. cache_seqlens + Lnew (exactly those), then attended to. Queries are
+    the last Lq of the cache_seqlens + Lnew keys (bottom-right causal / windows, as flash-attn):
+    decode (Lq = 1), speculative decoding and chunked prefill. Every variant. -> out
+    (B, Lq, H, Dv) [, lse (B, H, Lq) float32]. No gradient. Short queries take the split-KV
+    decode path, reading a paged cache in place. CPU tensors in float32 / bfloat16 / float16.
+    """
+    if k_scale is not None or v_scale is not None or k_cache.dtype == torch.float8_e4m3fn:
+        raise NotImplementedError("flashsdpa.flash_attn_with_kvcache: float8 caches (k_scale, "
+                                  "v_scale) are not supported yet")
+    if q.device.type != "cpu" or q.dtype not in _KERNEL_DTYPES:
+        raise ValueError("flashsdpa.flash_attn_with_kvcache: q must be a CPU tensor in float32, "
+                         f"bfloat16 or float16, got {q.dtype} on {q.device}")
+    left, right = _window(window_size)
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32)
+    out, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                           softmax_scale=softmax_scale, causal=bool(causal), window_left=left,
+                           window_right=right, softcap=float(softcap), alibi_slopes=alibi_slopes,
+                           sinks=sinks)
+    return (out, lse) if return_lse else out
+
+
 # ---- explain ---------------------------------------------------------------------------------------
 def _describe_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                    variants):

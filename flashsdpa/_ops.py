@@ -78,13 +78,22 @@ def _varlen_bwd_fake(grad_out, q, k, v, out, logsumexp, rng_state, cu_seqlens_q,
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks)
 
 
+@torch.library.register_fake("flashsdpa::flash_attn_with_kvcache")
+def _kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *,
+                  softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+                  alibi_slopes=None, sinks=None):
+    batch, seq_q, heads = q.shape[0], q.shape[1], q.shape[2]
+    out = q.new_empty((batch, seq_q, heads, v_cache.shape[3]))
+    return out, q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+
+
 # Autograd: a C++ torch::autograd::Function (csrc/autograd.cpp) on the Autograd key, so calls
 # cost no Python; its backward calls flash_attn_bwd through the dispatcher.
 
 
 # The ops the extension defines (csrc/ops.cpp), whose schemas key the compile caches.
 NATIVE_OPS = ("flash_attn_fwd", "flash_attn_bwd", "sdpa", "flash_attn", "flash_attn_varlen_fwd",
-              "flash_attn_varlen_bwd")
+              "flash_attn_varlen_bwd", "flash_attn_with_kvcache")
 
 
 def _tag_compile_caches():

@@ -1,0 +1,235 @@
+"""Attention over a KV cache (flashsdpa.flash_attn_with_kvcache): contiguous and paged caches
+(block sizes from 1 up, block tables in any order), per-sequence lengths, the in-place append
+of new keys / values (exactly those slots), decode / speculative / chunked-prefill query counts
+with bottom-right causal alignment and every variant, on every native and emulated tier,
+against the fp64 reference over each sequence's keys; the checks, fake kernel and compile."""
+import pytest
+import torch
+
+import flashsdpa
+from flashsdpa import _testing
+from conftest import DTYPE_IDS, assert_within_rule
+from test_variants import assert_kernel_ran, reference
+
+B, HQ, HKV, D, DV, LCACHE = 3, 4, 2, 32, 24, 150
+SEQLENS = [37, 0, 101]  # tokens already cached per sequence (the second starts empty)
+
+
+def make_cache(dtype, lq, n_new, seed=0, **variant):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, lq, HQ, D, generator=g).to(dtype)
+    k_cache = torch.randn(B, LCACHE, HKV, D, generator=g).to(dtype)
+    v_cache = torch.randn(B, LCACHE, HKV, DV, generator=g).to(dtype)
+    k_new = torch.randn(B, n_new, HKV, D, generator=g).to(dtype) if n_new else None
+    v_new = torch.randn(B, n_new, HKV, DV, generator=g).to(dtype) if n_new else None
+    kw = dict(variant)
+    if kw.get("alibi") == "BH":
+        kw["alibi"] = torch.rand(B, HQ, generator=g) * 0.5
+    if kw.get("sinks"):
+        kw["sinks"] = torch.randn(HQ, generator=g)
+    return q, k_cache, v_cache, k_new, v_new, kw
+
+
+def paged(cache, block_size, seed=1):
+    """The same cache as blocks of block_size rows in a shuffled pool with spare (NaN) blocks:
+    (pool, block_table)."""
+    per_seq = -(-LCACHE // block_size)
+    n_blocks = B * per_seq + 3
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
+    table = order[:B * per_seq].view(B, per_seq).to(torch.int32)
+    pool = torch.full((n_blocks, block_size) + cache.shape[2:], float("nan"), dtype=cache.dtype)
+    for b in range(B):
+        for i in range(per_seq):
+            rows = cache[b, i * block_size:(i + 1) * block_size]
+            pool[table[b, i], :rows.shape[0]] = rows
+    return pool, table
+
+
+def unpage(pool, table):
+    return torch.stack([pool[table[b].long()].flatten(0, 1)[:LCACHE] for b in range(B)])
+
+
+def call(q, k_cache, v_cache, k_new, v_new, kw, block_table=None, seqlens=SEQLENS):
+    return flashsdpa.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, torch.tensor(seqlens, dtype=torch.int32),
+        block_table, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+        softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
+        return_lse=True)
+
+
+def expected(q, k_cache, v_cache, k_new, v_new, kw, dtype):
+    """Per sequence: the reference over its cached keys then the new ones, in `dtype`."""
+    outs, lses = [], []
+    for b in range(B):
+        n = SEQLENS[b]
+        keys, vals = k_cache[b, :n], v_cache[b, :n]
+        if k_new is not None:
+            keys, vals = torch.cat([keys, k_new[b]]), torch.cat([vals, v_new[b]])
+        kw_b = dict(kw)
+        if kw.get("alibi") is not None and kw["alibi"].dim() == 2:
+            kw_b["alibi"] = kw["alibi"][b]
+        o, lse = reference(q[b:b + 1].transpose(1, 2), keys[None].transpose(1, 2),
+                           vals[None].transpose(1, 2), bottom_right=True, dtype=dtype, **kw_b)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+VARIANTS = {
+    "causal": dict(causal=True),
+    "window-softcap": dict(causal=True, window=(40, 0), softcap=2.0),
+    "alibi-sinks": dict(alibi="BH", sinks=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [1, 4, 40])
+@pytest.mark.parametrize("block_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_kvcache_against_reference(tier, variant, block_size, lq, dtype):
+    q, kc, vc, kn, vn, kw = make_cache(dtype, lq, lq, **VARIANTS[variant])
+    want, want_lse = expected(q, kc, vc, kn, vn, kw, torch.float64)
+    base, _ = expected(q, kc, vc, kn, vn, kw, dtype)
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = paged(kc, block_size), paged(vc, block_size)
+    with _testing.counting() as counts:
+        out, lse = call(q, kc, vc, kn, vn, kw, table)
+        assert_kernel_ran(counts, tier, dtype)
+        assert (counts()["decode_blocks"] > 0) == (lq <= 16)
+    what = f"{tier} {variant} {block_size} lq={lq}"
+    assert_within_rule(out, base, want, dtype, what)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2 if dtype != torch.float32
+                               else 1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 64, 256])
+def test_kvcache_any_block_size(block_size):
+    """Any block size, pages crossing the decode blocks at every offset: as the contiguous cache
+    on the decode path (paged in place) and the prefill path (gathered)."""
+    for lq in (2, 30):
+        q, kc, vc, kn, vn, kw = make_cache(torch.float32, lq, 3, sinks=True, causal=True)
+        ref, _ = call(q, kc.clone(), vc.clone(), kn, vn, kw)
+        (kp, table), (vp, _) = paged(kc, block_size), paged(vc, block_size)
+        with _testing.counting() as counts:
+            out, _ = call(q, kp, vp, kn, vn, kw, table)
+            assert (counts()["decode_blocks"] > 0) == (lq <= 16)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=f"block_size {block_size}")
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_kvcache_append_writes_exactly_the_new_slots(block_size):
+    q, kc, vc, kn, vn, kw = make_cache(torch.bfloat16, 4, 6, causal=True)
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = paged(kc, block_size), paged(vc, block_size)
+    before_k, before_v = kc.clone(), vc.clone()
+    call(q, kc, vc, kn, vn, kw, table)
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for b, n in enumerate(SEQLENS):
+        for t in range(kn.shape[1]):
+            pos = n + t
+            if table is None:
+                want_k[b, pos], want_v[b, pos] = kn[b, t], vn[b, t]
+            else:
+                blk, row = table[b, pos // block_size], pos % block_size
+                want_k[blk, row], want_v[blk, row] = kn[b, t], vn[b, t]
+    # bit-exact, spare blocks' NaN included
+    assert torch.equal(kc.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), want_v.view(torch.int16))
+
+
+def test_kvcache_without_new_tokens_and_whole_cache():
+    """No k / v: attention over cache_seqlens keys; no cache_seqlens: over the whole cache."""
+    q, kc, vc, _, _, kw = make_cache(torch.float32, 1, 0)
+    out = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    ref = flashsdpa.flash_attn_func(q, kc[:, :5], vc[:, :5])
+    torch.testing.assert_close(out, ref)
+    out = flashsdpa.flash_attn_with_kvcache(q, kc, vc)
+    torch.testing.assert_close(out, flashsdpa.flash_attn_func(q, kc, vc))
+
+
+def test_kvcache_empty_sequence_rows():
+    """A sequence with nothing cached and nothing appended: out 0, lse -inf (or the sink)."""
+    q, kc, vc, _, _, _ = make_cache(torch.float32, 2, 0)
+    seqlens = torch.tensor([3, 0, 9], dtype=torch.int32)
+    out, lse = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                 return_lse=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    sinks = torch.tensor([0.5, 1.0, -1.0, 2.0])
+    _, lse = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, sinks=sinks,
+                                               return_lse=True)
+    assert torch.equal(lse[1], sinks.view(4, 1).expand(4, 2))
+
+
+def _bad(name):
+    q, kc, vc, kn, vn, _ = make_cache(torch.float32, 1, 2)
+    seq = torch.tensor(SEQLENS, dtype=torch.int32)
+    (kp, table), (vp, _) = paged(kc, 16), paged(vc, 16)
+    cases = {
+        "seqlens beyond": ((q, kc, vc, kn, vn, torch.tensor([37, 0, 149], dtype=torch.int32)),
+                           "cache_seqlens[2] = 149 plus the 2 new tokens must fit the cache (150"),
+        "seqlens int64": ((q, kc, vc, kn, vn, seq.long()), "cache_seqlens must be an int32"),
+        "no seqlens": ((q, kc, vc, kn, vn, None), "cache_seqlens is needed to append"),
+        "k without v": ((q, kc, vc, kn, None, seq), "k and v must be given together"),
+        "cache batch": ((q, kc[:2], vc[:2], kn, vn, seq), "k_cache must have q's batch size"),
+        "cache dtype": ((q, kc.double(), vc.double(), kn, vn, seq),
+                        "k_cache and v_cache must have q's dtype"),
+        "block out of range": ((q, kp, vp, kn, vn, seq, table.masked_fill(table == table[2, 3],
+                                                                           999)),
+                               "block_table[2, 3] = 999 is not a block of k_cache"),
+        "table shape": ((q, kp, vp, kn, vn, seq, table[:2]), "block_table must be an int32"),
+        "k shape": ((q, kc, vc, kn[:, :, :1], vn, seq), "k must be (batch, new tokens, kv heads"),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize("name", ["seqlens beyond", "seqlens int64", "no seqlens", "k without v",
+                                  "cache batch", "cache dtype", "block out of range",
+                                  "table shape", "k shape"])
+def test_kvcache_bad_arguments_name_the_argument(name):
+    args, message = _bad(name)
+    before = [a.clone() for a in args[1:3]]
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        flashsdpa.flash_attn_with_kvcache(*args)
+    for a, b in zip(args[1:3], before):  # nothing appended before the error
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_kvcache_float8_not_yet():
+    q, kc, vc, _, _, _ = make_cache(torch.float32, 1, 0)
+    with pytest.raises(NotImplementedError, match="float8"):
+        flashsdpa.flash_attn_with_kvcache(q, kc.to(torch.float8_e4m3fn),
+                                          vc.to(torch.float8_e4m3fn), k_scale=torch.tensor(1.0))
+
+
+def test_kvcache_opcheck():
+    q, kc, vc, kn, vn, kw = make_cache(torch.float32, 2, 2, alibi="BH", sinks=True)
+    seq = torch.tensor(SEQLENS, dtype=torch.int32)
+    (kp, table), (vp, _) = paged(kc.nan_to_num(), 16), paged(vc.nan_to_num(), 16)
+    kp, vp = kp.nan_to_num(), vp.nan_to_num()
+    for args in ((q, kc, vc, kn, vn, seq, None), (q, kp, vp, kn, vn, seq, table)):
+        torch.library.opcheck(torch.ops.flashsdpa.flash_attn_with_kvcache.default, args,
+                              dict(causal=True, window_left=20, alibi_slopes=kw["alibi"],
+                                   sinks=kw["sinks"]))
+
+
+def test_kvcache_compile_keeps_the_append():
+    """Under torch.compile(fullgraph=True) the call is one node and the cache mutation is kept:
+    the compiled step leaves the same cache and output as the eager one."""
+    import torch._dynamo.testing
+    torch._dynamo.reset()
+    cnt = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def step(q, kc, vc, kn, vn, seq):
+        return flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn, vn, seq, causal=True)
+
+    cstep = torch.compile(step, backend=cnt, fullgraph=True)
+    q, kc, vc, kn, vn, _ = make_cache(torch.float32, 1, 1)
+    seq = torch.tensor(SEQLENS, dtype=torch.int32)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = cstep(q, kc, vc, kn, vn, seq)
+    ref = step(q, kc2, vc2, kn, vn, seq)
+    assert torch.equal(out, ref) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    ops = [n.target for n in cnt.graphs[-1].graph.nodes if n.op == "call_function"]
+    assert torch.ops.flashsdpa.flash_attn_with_kvcache.default in ops, ops

@@ -12,6 +12,8 @@
 //     bf16 / fp16 widened in registers by the trait's decode_qk / decode_pv.
 // Splits depend on the shape only, so results do not depend on the thread count.
 #pragma once
+#include <cstring>
+
 #include "flash_common.h"
 
 namespace flashsdpa {
@@ -54,6 +56,7 @@ struct FlashDecode {
   struct Layout {
     int ldq, lds, ldacc;
     float *q, *s, *acc, *m, *l, *mask;
+    T* kv;
     int64_t total;
     Layout(const AttnParams& p, float* scratch = nullptr) {
       const int64_t M = rows(p);
@@ -67,6 +70,9 @@ struct FlashDecode {
       m = c.take(M);
       l = c.take(M);
       mask = c.take(M * lds);
+      // paged caches: one block of K or V rows gathered (gather_rows)
+      kv = reinterpret_cast<T*>(
+          c.take(p.page_size ? ceil_div(kBlock * max64(p.D, p.Dv) * int64_t(sizeof(T)), 4) : 0));
       total = c.total;
     }
   };
@@ -79,25 +85,27 @@ struct FlashDecode {
   static int64_t split_items(const AttnParams& p) { return p.B * p.Hkv * n_splits(p); }
   static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
 
-  // Keys [j0, j0 + nk) as runs of consecutive rows: one run unpaged; paged, one per page the
-  // keys cross. fn(page_row, c0, n): keys j0 + c0 .. + n, the first at row page_row of its
-  // page (-1 unpaged).
-  template <class Fn>
-  static void for_runs(const AttnParams& p, int64_t j0, int nk, Fn&& fn) {
-    if (p.page_size == 0) return fn(int64_t(-1), 0, nk);
-    for (int c0 = 0; c0 < nk;) {
-      const int64_t row = (j0 + c0) % p.page_size;
-      const int n = int(min64(nk - c0, p.page_size - row));
-      fn(row, c0, n);
-      c0 += n;
-    }
-  }
-  // K or V row j (at `row` of its page when paged).
-  static const T* kv_row(const void* base, const AttnParams& p, int64_t b, int64_t hk, int64_t j,
-                         int64_t row, int64_t sl, int64_t spage, int64_t sh, int64_t sb) {
+  // A paged cache's keys j0 .. j0 + n - 1 (K or V rows of kv head hk) copied into dst (n rows of
+  // `width`, contiguous), where the decode kernels then read them as from a contiguous cache.
+  // The pages lie anywhere, so no hardware stream runs ahead across them: each row is
+  // prefetched kGatherAhead keys before its copy (within the sequence's keys: the block table
+  // is read no further).
+  static constexpr int64_t kGatherAhead = 32;
+  static void gather_rows(const AttnParams& p, const void* base, int64_t sl, int64_t spage,
+                          int64_t sh, int64_t hk, int64_t j0, int n, int width, T* dst) {
     const T* t = static_cast<const T*>(base) + hk * sh;
-    if (row < 0) return t + b * sb + j * sl;
-    return t + int64_t(p.block_table[j / p.page_size]) * spage + row * sl;
+    const auto row = [&](int64_t j) {
+      return t + int64_t(p.block_table[j / p.page_size]) * spage + (j % p.page_size) * sl;
+    };
+    const int64_t bytes = int64_t(width) * int64_t(sizeof(T));
+    for (int c = 0; c < n; ++c) {
+      const int64_t j = j0 + c, ahead = j + kGatherAhead;
+      if (ahead < p.Lk) {
+        const char* r = reinterpret_cast<const char*>(row(ahead));
+        for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
+      }
+      std::memcpy(dst + int64_t(c) * width, row(j), size_t(bytes));
+    }
   }
 
   // Row r of the folded block: query head h = hk * group + r / Lq, query row i = r % Lq.
@@ -124,10 +132,12 @@ struct FlashDecode {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlock) {
       const int nk = int(min64(kBlock, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
-      for_runs(p, j0, nk, [&](int64_t page_row, int c0, int n) {  // K rows, page by page
-        Ops::decode_qk(kv_row(p.k, p, b, hk, j0 + c0, page_row, p.k_sl, p.k_spage, p.k_sh,
-                                 p.k_sb), p.k_sl, n, int(p.D), q, L.ldq, int(M), s + c0, L.lds);
-      });
+      if (p.page_size) {
+        gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk, j0, nk, int(p.D), L.kv);
+        Ops::decode_qk(L.kv, p.D, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+      } else {
+        Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+      }
       bool any = false;
       for (int64_t r = 0; r < M; ++r) {
         const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
@@ -141,12 +151,13 @@ struct FlashDecode {
         any |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &m[r], &l[r], acc + r * L.ldacc,
                                        int(p.Dv));
       }
-      if (any)
-        for_runs(p, j0, nk, [&](int64_t page_row, int c0, int n) {
-          Ops::decode_pv(kv_row(p.v, p, b, hk, j0 + c0, page_row, p.v_sl, p.v_spage, p.v_sh,
-                                   p.v_sb), p.v_sl, n, int(p.Dv), s + c0, L.lds, int(M),
-                         acc, L.ldacc);
-        });
+      if (any && p.page_size) {
+        gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk, j0, nk, int(p.Dv), L.kv);
+        Ops::decode_pv(L.kv, p.Dv, nk, int(p.Dv), s, L.lds, int(M), acc, L.ldacc);
+      } else if (any) {
+        Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,
+                       L.ldacc);
+      }
     }
     const int64_t ld_part = L.ldacc + 2;
     float* part = p.dec_part + item * M * ld_part;

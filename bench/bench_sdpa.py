@@ -12,7 +12,8 @@ With --device xpu|cuda the tensors live on that GPU: flashsdpa runs its Triton k
 default providers are "flashsdpa,torch" and rates are TFLOP/s (no CPU peak is measured).
 Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache),
 variants (sliding window, softcap, ALiBi, sinks against PyTorch and FlexAttention: handed to
-bench/bench_variants.py with --dtypes, --repeats and --threads).
+bench/bench_variants.py), serving (KV-cache decode / chunked prefill, contiguous and paged, and
+varlen prefill: handed to bench/bench_serving.py); both with --dtypes, --repeats, --threads.
 
 For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
 to last ~20 ms; the table shows medians, GFLOP/s (GB/s of K+V for decode), the speedup against
@@ -473,7 +474,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
-    ap.add_argument("--mode", choices=["fwd", "train", "decode", "variants"], default="fwd")
+    ap.add_argument("--mode", choices=["fwd", "train", "decode", "variants", "serving"],
+                    default="fwd")
     ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     ap.add_argument("--providers", default=None,
                     help="default: flashsdpa,torch_flash (cpu) or flashsdpa,torch (GPU)")
@@ -490,10 +492,11 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
-    if args.mode == "variants":
-        import bench_variants
-        return bench_variants.main(["--dtypes", args.dtypes, "--repeats", str(args.repeats or 0),
-                                    "--threads", str(args.threads)])
+    if args.mode in ("variants", "serving"):
+        import importlib
+        return importlib.import_module(f"bench_{args.mode}").main(
+            ["--dtypes", args.dtypes, "--repeats", str(args.repeats or 0),
+             "--threads", str(args.threads)])
     if args.repeats is None:
         args.repeats = DEFAULT_REPEATS[args.mode]
     if args.repeats < 1:

@@ -12,13 +12,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_paths import markdown as paths_markdown  # noqa: E402
 from bench_sdpa import markdown  # noqa: E402
+from bench_serving import markdown as serving_markdown  # noqa: E402
 from bench_variants import markdown as variants_markdown  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)",
           "paths": "Special paths, each against its alternative",
-          "variants": "Attention variants (window, softcap, ALiBi, sinks)"}
-RENDER = {"paths": paths_markdown, "variants": variants_markdown}
+          "variants": "Attention variants (window, softcap, ALiBi, sinks)",
+          "serving": "Serving: KV-cache decode and prefill, paged caches, varlen batches"}
+RENDER = {"paths": paths_markdown, "variants": variants_markdown, "serving": serving_markdown}
 
 
 def render(paths):

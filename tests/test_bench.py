@@ -164,3 +164,29 @@ def test_bench_variants_tiny_run(tmp_path):
                           str(readme)], capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert "| window: window_size=[64, 0]" in readme.read_text()
+
+
+def test_bench_serving_tiny_run(tmp_path):
+    """bench_serving.py (also bench_sdpa.py --mode serving): every case, its providers checked
+    against flashsdpa's output before timing, decode rows against the read probe, its table."""
+    out = tmp_path / "serving.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_serving.py"), "--tiny",
+                          "--repeats", "2", "--dtypes", "bf16", "--peak-read-mib", "64",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    import bench_serving
+    assert [r["case"] for r in rows] == list(bench_serving.CASES)
+    for r in rows:
+        assert all(t > 0 for t in r["ms"].values())
+        assert all(d <= 4e-2 for d in r["max_abs_diff"].values()), r
+        if r["case"].startswith("decode"):
+            assert len(r["read_probes_gbs"]) == 2 and set(r["frac_read"]) == {
+                "flashsdpa", "flashsdpa paged"}
+    assert set(rows[-1]["ms"]) == {"flashsdpa", "loop", "torch (padded)"}
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(out), "--readme",
+                          str(readme)], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    assert "| decode-batch:" in readme.read_text()

@@ -1,0 +1,244 @@
+"""The serving path, side by side in one process: decode and chunked prefill over contiguous and
+paged KV caches (flashsdpa.flash_attn_with_kvcache) and packed variable-length prefill
+(flashsdpa.flash_attn_varlen_func), against what PyTorch offers for the same attention and the
+loop of per-sequence calls:
+    torch (gathered)  F.scaled_dot_product_attention over the sequence's keys (a paged cache's
+                      blocks gathered first, inside the timing), with the bottom-right causal
+                      mask where the queries are several
+    torch (padded)    F.scaled_dot_product_attention on the batch padded to its longest sequence,
+                      with the padding (and causal) mask
+    loop              flashsdpa.flash_attn_func called once per sequence
+Decode rows report GB/s of K + V read and the fraction of the read bandwidth probed right after
+each round's flashsdpa sample (bench/peak.py, as bench_sdpa.py --mode decode). Every provider's
+output is checked against flashsdpa's before timing. Results: bench/results/serving.json.
+
+    python bench/bench_serving.py                  # every case, fp32 and bf16
+    python bench/bench_serving.py --cases decode --dtypes bf16
+    python bench/bench_sdpa.py --mode serving      # the same, from the main bench
+"""
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import peak  # noqa: E402
+from bench_sdpa import DTYPES, geomean, host_meta, save_json, time_case  # noqa: E402
+
+import flashsdpa  # noqa: E402
+
+# name -> (kind, description, parameters)
+CASES = {
+    "decode": ("decode", "q (1,1,32,128), 16384 cached keys, 8 kv heads",
+               dict(B=1, H=32, Hkv=8, D=128, seqlens=[16384], lq=1, block=16)),
+    "decode-batch": ("decode", "8 sequences of 1000-4096 cached keys, 32 / 8 heads, D 128",
+                     dict(B=8, H=32, Hkv=8, D=128,
+                          seqlens=[4096, 1000, 3000, 2048, 3500, 1500, 4000, 2500],
+                          lq=1, block=16)),
+    "chunked-prefill": ("decode", "256 new queries after 4096 cached keys, 32 / 8 heads, D 128",
+                        dict(B=1, H=32, Hkv=8, D=128, seqlens=[4096], lq=256, block=16)),
+    "varlen": ("varlen", "one 4000-token and forty 50-token sequences, 8 heads, D 64, causal",
+               dict(lens=[4000] + [50] * 40, H=8, D=64)),
+}
+AGREE_ATOL = {torch.float32: 2e-4, torch.bfloat16: 4e-2, torch.float16: 4e-3}
+DEFAULT_REPEATS = {"decode": 11, "varlen": 3}
+
+
+def paged_copy(cache, block, order):
+    """The batch's cache as blocks of `block` rows, block i of sequence b at pool[order[b * per
+    + i]]: (pool, block_table int32)."""
+    B, L = cache.shape[:2]
+    per = -(-L // block)
+    table = order.view(B, per).to(torch.int32)
+    pool = torch.empty((B * per, block) + cache.shape[2:], dtype=cache.dtype)
+    pool[order] = torch.nn.functional.pad(cache, (0, 0, 0, 0, 0, per * block - L)).reshape(
+        (B * per, block) + cache.shape[2:])
+    return pool, table
+
+
+def bottom_right_mask(lq, lk):
+    return torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+
+
+def kv_providers(c, dtype, g):
+    """Decode / chunked prefill over a KV cache: {provider: call}, bytes of K + V read."""
+    B, H, Hkv, D, lq = c["B"], c["H"], c["Hkv"], c["D"], c["lq"]
+    seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
+    L = max(c["seqlens"])
+    q = torch.randn(B, lq, H, D, generator=g).to(dtype)
+    kc, vc = (torch.randn(B, L, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    order = torch.randperm(B * -(-L // c["block"]), generator=g)
+    (kp, table), (vp, _) = (paged_copy(x, c["block"], order) for x in (kc, vc))
+    causal = lq > 1
+
+    def torch_gathered(paged):
+        outs = []
+        for b in range(B):
+            n = int(seqlens[b])
+            if paged:  # the sequence's blocks gathered, then SDPA
+                idx = table[b, :-(-n // c["block"])].long()
+                k, v = (p[idx].flatten(0, 1)[:n] for p in (kp, vp))
+            else:
+                k, v = kc[b, :n], vc[b, :n]
+            outs.append(F.scaled_dot_product_attention(
+                q[b].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=bottom_right_mask(lq, n) if causal else None,
+                enable_gqa=True).transpose(0, 1))
+        return torch.stack(outs)
+
+    calls = {
+        "flashsdpa": lambda: flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                               causal=causal),
+        "flashsdpa paged": lambda: flashsdpa.flash_attn_with_kvcache(
+            q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=causal),
+        "torch (gathered)": lambda: torch_gathered(False),
+        "torch (paged, gathered)": lambda: torch_gathered(True),
+    }
+    kv_bytes = 2 * int(seqlens.sum()) * Hkv * D * kc.element_size()
+    return calls, kv_bytes
+
+
+def varlen_providers(c, dtype, g):
+    lens, H, D = c["lens"], c["H"], c["D"]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T, L = sum(lens), max(lens)
+    q, k, v = (torch.randn(T, H, D, generator=g).to(dtype) for _ in range(3))
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    pad = torch.zeros(len(lens), 3, L, H, D, dtype=dtype)
+    for s, (a, b) in enumerate(bounds):
+        for t, x in enumerate((q, k, v)):
+            pad[s, t, :b - a] = x[a:b]
+    valid = torch.arange(L)[None] < torch.tensor(lens)[:, None]  # (batch, L)
+    mask = (valid[:, None, :] & torch.ones(L, L, dtype=torch.bool).tril()).unsqueeze(1)
+
+    def padded():
+        out = F.scaled_dot_product_attention(*(pad[:, t].transpose(1, 2) for t in range(3)),
+                                             attn_mask=mask).transpose(1, 2)
+        return torch.cat([out[s, :b - a] for s, (a, b) in enumerate(bounds)])
+
+    calls = {
+        "flashsdpa": lambda: flashsdpa.flash_attn_varlen_func(q, k, v, cu, cu, L, L, causal=True),
+        "loop": lambda: torch.cat([flashsdpa.flash_attn_func(
+            q[a:b][None], k[a:b][None], v[a:b][None], causal=True)[0] for a, b in bounds]),
+        "torch (padded)": padded,
+    }
+    return calls, None
+
+
+def run_case(name, dtype, repeats, read_mib):
+    kind, what, c = CASES[name]
+    g = torch.Generator().manual_seed(0)
+    calls, kv_bytes = (kv_providers if kind == "decode" else varlen_providers)(c, dtype, g)
+    with torch.no_grad():
+        ours = calls["flashsdpa"]().float()
+        diffs = {p: (f().float() - ours).abs().max().item() for p, f in calls.items()
+                 if p != "flashsdpa"}
+    bad = {p: d for p, d in diffs.items() if not d <= AGREE_ATOL[dtype]}
+    if bad:
+        raise SystemExit(f"{name}: providers disagree with flashsdpa beyond "
+                         f"{AGREE_ATOL[dtype]}: {bad}")
+
+    def no_grad(f):
+        def step():
+            with torch.no_grad():
+                f()
+        return step
+    probes = []
+    decode = kind == "decode" and c["lq"] == 1
+    samples = time_case({p: no_grad(f) for p, f in calls.items()}, repeats,
+                        between=(lambda: probes.append(peak.measure_read(
+                            torch.get_num_threads(), read_mib))) if decode else None,
+                        between_after="flashsdpa")
+    ms = {p: statistics.median(s) * 1e3 for p, s in samples.items()}
+    row = {"case": name, "kind": kind, "what": what, "dtype": str(dtype).replace("torch.", ""),
+           "ms": ms, "max_abs_diff": diffs,
+           "speedup": {p: ms[p] / ms["flashsdpa"] for p in ms if p != "flashsdpa"}}
+    if decode:
+        row["gbs"] = {p: kv_bytes / (ms[p] * 1e-3) / 1e9 for p in ms if p.startswith("flash")}
+        row["read_probes_gbs"] = probes
+        # each round's GB/s over the probe taken right after it, the median over the rounds
+        row["frac_read"] = {p: statistics.median(kv_bytes / t / 1e9 / pr for t, pr in
+                                                  zip(samples[p], probes))
+                            for p in row["gbs"]}
+    return row
+
+
+def markdown(meta, rows):
+    lines = [f"serving | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
+             "tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
+             "| case | dtype | flashsdpa ms | other providers ms (flashsdpa's speedup) | "
+             "K+V GB/s (% of read probe) |", "|---|---|---|---|---|"]
+    for r in rows:
+        others = "; ".join(f"{p} {r['ms'][p]:.2f} ({r['speedup'][p]:.2f}x)"
+                           for p in r["ms"] if p != "flashsdpa")
+        bw = "; ".join(f"{p} {r['gbs'][p]:.1f} ({100 * r['frac_read'][p]:.0f}%)"
+                       for p in r.get("gbs", {}))
+        lines.append(f"| {r['case']}: {r['what']} | {r['dtype']} | {r['ms']['flashsdpa']:.2f} | "
+                     f"{others} | {bw or '-'} |")
+    lines.append("")
+    for p in sorted({p for r in rows for p in r["speedup"]}):
+        xs = [r["speedup"][p] for r in rows if p in r["speedup"]]
+        lines.append(f"flashsdpa over {p}: geomean {geomean(xs):.2f}x, range "
+                     f"{min(xs):.2f}-{max(xs):.2f}x ({len(xs)} cases)")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--repeats", type=int, default=0, help="rounds per case (default: decode 11, "
+                    "varlen 3)")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--peak-read-mib", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test of this "
+                    "script, not a benchmark")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "serving.json"))
+    args = ap.parse_args(argv)
+    cases = args.cases.split(",")
+    for c in cases:
+        if c not in CASES:
+            ap.error(f"--cases: unknown case {c!r}; choose from {', '.join(CASES)}")
+    dtypes = []
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            ap.error(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
+        dtypes.append(DTYPES[d])
+    if args.repeats < 0:
+        ap.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.tiny:
+        for name, (kind, what, c) in list(CASES.items()):
+            c = dict(c)
+            if kind == "decode":
+                c.update(H=4, Hkv=2, D=16, seqlens=[min(n, 100) - i for i, n in
+                                                    enumerate(c["seqlens"])],
+                         lq=min(c["lq"], 8), block=7)
+            else:
+                c.update(lens=[120, 5, 9, 0, 1], H=2, D=16)
+            CASES[name] = (kind, what + " (tiny)", c)
+    meta = host_meta("serving")
+    rows = []
+    for name in cases:
+        for dtype in dtypes:
+            kind = CASES[name][0]
+            rows.append(run_case(name, dtype, args.repeats or DEFAULT_REPEATS[kind],
+                                 args.peak_read_mib))
+            r = rows[-1]
+            print(f"{name} {r['dtype']}: flashsdpa {r['ms']['flashsdpa']:.2f} ms; "
+                  + ", ".join(f"{p} {x:.2f}x" for p, x in r["speedup"].items())
+                  + ("; read " + ", ".join(f"{p} {100 * f:.0f}%" for p, f in
+                                           r["frac_read"].items()) if "frac_read" in r else ""),
+                  flush=True)
+    print(markdown(meta, rows))
+    print(f"\nresults: {save_json(args.out, meta, rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,9 +23,7 @@ namespace FLASHSDPA_TIER_NS {
 template <class TierOps, class T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps>::type;
-  // Keys per block: 128 KiB of K (and of V) at D = 128 in either width, so the K and V streams
-  // alternate as often per byte for bf16 / fp16 as for fp32.
-  static constexpr int kBlock = sizeof(T) == 2 ? 512 : 256;
+  static constexpr int kBlock = sizeof(T) == 2 ? 512 : 256;  // keys per block (block_keys)
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
   // Splits per (b, kv head): enough for about kTargetItems items in all, no more (each split
@@ -34,34 +32,57 @@ struct FlashDecode {
   static constexpr int64_t kTargetItems = 64;
 
   static int64_t rows(const AttnParams& p) { return (p.Hq / p.Hkv) * p.Lq; }
+
+  // Caches laid out (.., L, Hkv, D) (flash-attn's, paged or not: the kv heads of a key side by
+  // side) are read as whole key rows: one item takes every kv head of its keys, block by block
+  // of keys (about kRowBytes of them, so that the heads' passes over a block stay close in
+  // memory and time), rather than one head's slice of every row per item. (.., Hkv, L, D)
+  // caches, with each head's keys contiguous, are read one kv head per item. A paged cache's
+  // blocks of keys are copied into the thread's scratch first (gather_rows).
+  static constexpr int64_t kMaxItemHeads = 64;
+  static bool all_heads(const AttnParams& p) {
+    return p.Hkv > 1 && p.Hkv <= kMaxItemHeads && p.k_sh < p.k_sl && p.v_sh < p.v_sl;
+  }
+  static int64_t heads_per_item(const AttnParams& p) { return all_heads(p) ? p.Hkv : 1; }
+  // Keys per block. One head per item: kBlock, 128 KiB of K (and of V) at D = 128 in either
+  // width, so the K and V streams alternate as often per byte for bf16 / fp16 as for fp32.
+  // Whole rows or paged: about kRowBytes of the item's K rows, well inside any L2.
+  static constexpr int64_t kRowBytes = 128 * 1024;
+  static int64_t block_keys(const AttnParams& p) {
+    if (!all_heads(p) && p.page_size == 0) return kBlock;
+    const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(T));
+    return min64(kBlock, max64(16, kRowBytes / row / 16 * 16));
+  }
   // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
   // grid): a sliding window over a long cache spreads its few blocks over every split.
   static int64_t span_begin(const AttnParams& p) {
-    return Visibility::of(p).rows_begin(0, p.Lq) / kBlock * kBlock;
+    return Visibility::of(p).rows_begin(0, p.Lq) / block_keys(p) * block_keys(p);
   }
   static int64_t span_end(const AttnParams& p) {
     return max64(span_begin(p), Visibility::of(p).rows_end(0, p.Lq));
   }
   static int64_t split_len(const AttnParams& p) {
     const int64_t span = span_end(p) - span_begin(p);
-    const int64_t n = max64(1, min64(min64(kMaxSplits, ceil_div(kTargetItems, p.B * p.Hkv)),
+    const int64_t per_split = p.B * (p.Hkv / heads_per_item(p));  // items per split index
+    const int64_t n = max64(1, min64(min64(kMaxSplits, ceil_div(kTargetItems, per_split)),
                                      ceil_div(span, kMinSplit)));
-    return round_up(max64(1, ceil_div(span, n)), kBlock);
+    return round_up(max64(1, ceil_div(span, n)), block_keys(p));
   }
   static int64_t n_splits(const AttnParams& p) {
     return max64(1, ceil_div(span_end(p) - span_begin(p), split_len(p)));
   }
 
-  // One thread's buffers over its scratch (null: sizes only, in total).
+  // One thread's buffers over its scratch (null: sizes only, in total); q, s, acc, m, l for
+  // the rows of every head of an item.
   struct Layout {
     int ldq, lds, ldacc;
     float *q, *s, *acc, *m, *l, *mask;
-    T* kv;
+    T* kv;  // gathered: one block of K or V rows, head after head
     int64_t total;
     Layout(const AttnParams& p, float* scratch = nullptr) {
-      const int64_t M = rows(p);
+      const int64_t M = rows(p) * heads_per_item(p), nb = block_keys(p);
       ldq = int(p.D);
-      lds = int(round_up(kBlock, 16));
+      lds = int(round_up(nb, 16));
       ldacc = int(round_up(p.Dv, 16));
       Carve c{scratch};
       q = c.take(M * p.D);
@@ -70,102 +91,126 @@ struct FlashDecode {
       m = c.take(M);
       l = c.take(M);
       mask = c.take(M * lds);
-      // paged caches: one block of K or V rows gathered (gather_rows)
-      kv = reinterpret_cast<T*>(
-          c.take(p.page_size ? ceil_div(kBlock * max64(p.D, p.Dv) * int64_t(sizeof(T)), 4) : 0));
+      kv = reinterpret_cast<T*>(c.take(
+          p.page_size > 0 ? ceil_div(nb * max64(span(p, p.k_sh, p.D), span(p, p.v_sh, p.Dv)) *
+                                         int64_t(sizeof(T)), 4)
+                          : 0));
       total = c.total;
     }
   };
   static int64_t scratch_floats(const AttnParams& p) { return Layout(p).total; }
 
-  // Partial results, [B * Hkv * n_splits][M][ldacc + 2]: acc, then m and l.
+  // Partial results, [B * Hkv * n_splits][M][ldacc + 2]: acc, then m and l (the merge's
+  // order, whichever item wrote them).
   static int64_t part_floats(const AttnParams& p) {
     return p.B * p.Hkv * n_splits(p) * rows(p) * (Layout(p).ldacc + 2);
   }
-  static int64_t split_items(const AttnParams& p) { return p.B * p.Hkv * n_splits(p); }
+  static int64_t split_items(const AttnParams& p) {
+    return p.B * (p.Hkv / heads_per_item(p)) * n_splits(p);
+  }
   static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
 
-  // A paged cache's keys j0 .. j0 + n - 1 (K or V rows of kv head hk) copied into dst (n rows of
-  // `width`, contiguous), where the decode kernels then read them as from a contiguous cache.
-  // The pages lie anywhere, so no hardware stream runs ahead across them: each row is
-  // prefetched kGatherAhead keys before its copy (within the sequence's keys: the block table
-  // is read no further).
+  // Paged caches: keys j0 .. j0 + n - 1 of kv heads [hk0, hk0 + nh) copied into dst, key after
+  // key, each key's span of the item's heads (head e at e * sh, `span` elements a key) as it
+  // lies in the page, where the decode kernels then read them as from a contiguous cache. The
+  // keys of one page are one copy when the page's rows are contiguous. The blocks lie anywhere,
+  // so no hardware stream runs ahead across them: each key is prefetched kGatherAhead keys
+  // before its copy (within the sequence's keys: the block table is read no further).
   static constexpr int64_t kGatherAhead = 32;
+  static int64_t span(const AttnParams& p, int64_t sh, int64_t width) {
+    return (heads_per_item(p) - 1) * sh + width;
+  }
   static void gather_rows(const AttnParams& p, const void* base, int64_t sl, int64_t spage,
-                          int64_t sh, int64_t hk, int64_t j0, int n, int width, T* dst) {
-    const T* t = static_cast<const T*>(base) + hk * sh;
+                          int64_t sh, int64_t hk0, int64_t j0, int n, int64_t width, T* dst) {
+    const T* t = static_cast<const T*>(base) + hk0 * sh;
     const auto row = [&](int64_t j) {
       return t + int64_t(p.block_table[j / p.page_size]) * spage + (j % p.page_size) * sl;
     };
-    const int64_t bytes = int64_t(width) * int64_t(sizeof(T));
-    for (int c = 0; c < n; ++c) {
-      const int64_t j = j0 + c, ahead = j + kGatherAhead;
-      if (ahead < p.Lk) {
-        const char* r = reinterpret_cast<const char*>(row(ahead));
+    const int64_t w = span(p, sh, width), bytes = w * int64_t(sizeof(T));
+    for (int c = 0; c < n;) {
+      const int64_t j = j0 + c;
+      const int run = sl == w ? int(min64(n - c, p.page_size - j % p.page_size)) : 1;
+      for (int64_t a = j + kGatherAhead; a < min64(j + kGatherAhead + run, p.Lk); ++a) {
+        const char* r = reinterpret_cast<const char*>(row(a));
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
       }
-      std::memcpy(dst + int64_t(c) * width, row(j), size_t(bytes));
+      std::memcpy(dst + int64_t(c) * w, row(j), size_t(bytes * run));
+      c += run;
     }
   }
 
-  // Row r of the folded block: query head h = hk * group + r / Lq, query row i = r % Lq.
+  // Row r of the folded block of kv head hk: query head h = hk * group + r / Lq, query row
+  // i = r % Lq. An item covers kv heads [hk0, hk0 + nh), their rows one block after another.
   static void run_split(const AttnParams& p, int64_t item, float* scratch) {
     const Layout L(p, scratch);
-    const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
+    const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv, nb = block_keys(p);
+    const int nh = int(heads_per_item(p));
     const int64_t bhk = item / ns, sp = item % ns;
-    const int64_t b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const int64_t b = bhk / (p.Hkv / nh), hk0 = bhk % (p.Hkv / nh) * nh;
     const int64_t j_begin = span_begin(p) + sp * split_len(p);
     const int64_t j_end = min64(span_end(p), j_begin + split_len(p));
-    float *q = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l;
+    const bool gather = p.page_size > 0;
     const float scale_log2 = p.scale * kLog2e;
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
 
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
-      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), q + r * L.ldq, L.ldq, q_mul);
-      m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
-      l[r] = 0.0f;
-      for (int d = 0; d < L.ldacc; ++d) acc[r * L.ldacc + d] = 0.0f;
+    for (int64_t r = 0; r < nh * M; ++r) {
+      const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
+      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq, q_mul);
+      L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
+      L.l[r] = 0.0f;
+      for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
     }
     const Visibility vis = Visibility::of(p);
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += kBlock) {
-      const int nk = int(min64(kBlock, j_end - j0));
+    bool any[kMaxItemHeads];  // per head of the item
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
+      const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
-      if (p.page_size) {
-        gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk, j0, nk, int(p.D), L.kv);
-        Ops::decode_qk(L.kv, p.D, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
-      } else {
-        Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
-      }
-      bool any = false;
-      for (int64_t r = 0; r < M; ++r) {
-        const int64_t h = hk * group + r / p.Lq, i = r % p.Lq;
-        float* madd = nullptr;
-        if (p.mask_type != MaskType::None) {
-          madd = L.mask + r * L.lds;
-          mask_row_log2(p, b, h, i, j0, nk, madd);
+      if (gather) gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk0, j0, nk, p.D, L.kv);
+      bool any_head = false;
+      for (int e = 0; e < nh; ++e) {
+        const int64_t hk = hk0 + e;
+        float* s = L.s + e * M * L.lds;
+        const float* q = L.q + e * M * L.ldq;
+        if (gather)
+          Ops::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
+                         int(M), s, L.lds);
+        else
+          Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+        any[e] = false;
+        for (int64_t r = 0; r < M; ++r) {
+          const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
+          float* madd = nullptr;
+          if (p.mask_type != MaskType::None) {
+            madd = L.mask + er * L.lds;
+            mask_row_log2(p, b, h, i, j0, nk, madd);
+          }
+          RowScore rs = row_score(p, b, h, i, j0, s_mul, madd);
+          rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
+          any[e] |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
+                                            L.acc + er * L.ldacc, int(p.Dv));
         }
-        RowScore rs = row_score(p, b, h, i, j0, s_mul, madd);
-        rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
-        any |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &m[r], &l[r], acc + r * L.ldacc,
-                                       int(p.Dv));
+        any_head |= any[e];
       }
-      if (any && p.page_size) {
-        gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk, j0, nk, int(p.Dv), L.kv);
-        Ops::decode_pv(L.kv, p.Dv, nk, int(p.Dv), s, L.lds, int(M), acc, L.ldacc);
-      } else if (any) {
-        Ops::decode_pv(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), s, L.lds, int(M), acc,
-                       L.ldacc);
+      if (!any_head) continue;
+      if (gather) gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk0, j0, nk, p.Dv, L.kv);
+      for (int e = 0; e < nh; ++e) {
+        if (!any[e]) continue;
+        const T* v = gather ? L.kv + e * p.v_sh : v_row<T>(p, b, hk0 + e, j0);
+        Ops::decode_pv(v, gather ? span(p, p.v_sh, p.Dv) : p.v_sl, nk, int(p.Dv),
+                       L.s + e * M * L.lds, L.lds, int(M), L.acc + e * M * L.ldacc, L.ldacc);
       }
     }
     const int64_t ld_part = L.ldacc + 2;
-    float* part = p.dec_part + item * M * ld_part;
-    for (int64_t r = 0; r < M; ++r) {
-      float* pr = part + r * ld_part;
-      for (int d = 0; d < int(p.Dv); ++d) pr[d] = acc[r * L.ldacc + d];
-      pr[L.ldacc] = m[r];
-      pr[L.ldacc + 1] = l[r];
+    for (int e = 0; e < nh; ++e) {  // partial (b, hk, sp), as the merge reads them
+      float* part = p.dec_part + ((b * p.Hkv + hk0 + e) * ns + sp) * M * ld_part;
+      for (int64_t r = 0; r < M; ++r) {
+        const int64_t er = e * M + r;
+        float* pr = part + r * ld_part;
+        for (int d = 0; d < int(p.Dv); ++d) pr[d] = L.acc[er * L.ldacc + d];
+        pr[L.ldacc] = L.m[er];
+        pr[L.ldacc + 1] = L.l[er];
+      }
     }
   }
 

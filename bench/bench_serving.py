@@ -8,7 +8,9 @@ loop of per-sequence calls:
     torch (padded)    F.scaled_dot_product_attention on the batch padded to its longest sequence,
                       with the padding (and causal) mask
     loop              flashsdpa.flash_attn_func called once per sequence
-Decode rows report GB/s of K + V read and the fraction of the read bandwidth probed right after
+and flashsdpa over the same caches quantised to float8_e4m3fn (per-kv-head scales; "fp8"),
+checked against flashsdpa over the dequantised cache (the quantisation is not an error of the
+kernel). Decode rows report GB/s of K + V read (fp8: its bytes) and the fraction of the read bandwidth probed right after
 each round's flashsdpa sample (bench/peak.py, as bench_sdpa.py --mode decode). Every provider's
 output is checked against flashsdpa's before timing. Results: bench/results/serving.json.
 
@@ -90,16 +92,35 @@ def kv_providers(c, dtype, g):
                 enable_gqa=True).transpose(0, 1))
         return torch.stack(outs)
 
+    # float8_e4m3fn copies, one scale per kv head (each head's absolute maximum at 448)
+    fp8 = {}
+    for name, x in (("k", kc), ("v", vc)):
+        scale = x.float().abs().amax(dim=(0, 1, 3)) / 448
+        x8 = (x.float() / scale.view(-1, 1)).to(torch.float8_e4m3fn)
+        fp8[name] = (x8, scale, paged_copy(x8, c["block"], order)[0],
+                     (x8.float() * scale.view(-1, 1)).to(dtype))
+    k8, v8 = fp8["k"][0], fp8["v"][0]
+    kp8, vp8 = fp8["k"][2], fp8["v"][2]
+    scales = dict(k_scale=fp8["k"][1], v_scale=fp8["v"][1])
+
     calls = {
         "flashsdpa": lambda: flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
                                                                causal=causal),
         "flashsdpa paged": lambda: flashsdpa.flash_attn_with_kvcache(
             q, kp, vp, cache_seqlens=seqlens, block_table=table, causal=causal),
+        "flashsdpa fp8": lambda: flashsdpa.flash_attn_with_kvcache(
+            q, k8, v8, cache_seqlens=seqlens, causal=causal, **scales),
+        "flashsdpa paged fp8": lambda: flashsdpa.flash_attn_with_kvcache(
+            q, kp8, vp8, cache_seqlens=seqlens, block_table=table, causal=causal, **scales),
         "torch (gathered)": lambda: torch_gathered(False),
         "torch (paged, gathered)": lambda: torch_gathered(True),
     }
-    kv_bytes = 2 * int(seqlens.sum()) * Hkv * D * kc.element_size()
-    return calls, kv_bytes
+    dequantised = lambda: flashsdpa.flash_attn_with_kvcache(  # noqa: E731
+        q, fp8["k"][3], fp8["v"][3], cache_seqlens=seqlens, causal=causal)
+    refs = {"flashsdpa fp8": dequantised, "flashsdpa paged fp8": dequantised}
+    keys = int(seqlens.sum()) * Hkv * D
+    kv_bytes = {p: 2 * keys * (1 if p.endswith("fp8") else kc.element_size()) for p in calls}
+    return calls, refs, kv_bytes
 
 
 def varlen_providers(c, dtype, g):
@@ -126,17 +147,17 @@ def varlen_providers(c, dtype, g):
             q[a:b][None], k[a:b][None], v[a:b][None], causal=True)[0] for a, b in bounds]),
         "torch (padded)": padded,
     }
-    return calls, None
+    return calls, {}, None
 
 
 def run_case(name, dtype, repeats, read_mib):
     kind, what, c = CASES[name]
     g = torch.Generator().manual_seed(0)
-    calls, kv_bytes = (kv_providers if kind == "decode" else varlen_providers)(c, dtype, g)
+    calls, refs, kv_bytes = (kv_providers if kind == "decode" else varlen_providers)(c, dtype, g)
     with torch.no_grad():
         ours = calls["flashsdpa"]().float()
-        diffs = {p: (f().float() - ours).abs().max().item() for p, f in calls.items()
-                 if p != "flashsdpa"}
+        diffs = {p: (f().float() - (refs[p]().float() if p in refs else ours)).abs().max().item()
+                 for p, f in calls.items() if p != "flashsdpa"}
     bad = {p: d for p, d in diffs.items() if not d <= AGREE_ATOL[dtype]}
     if bad:
         raise SystemExit(f"{name}: providers disagree with flashsdpa beyond "
@@ -158,10 +179,10 @@ def run_case(name, dtype, repeats, read_mib):
            "ms": ms, "max_abs_diff": diffs,
            "speedup": {p: ms[p] / ms["flashsdpa"] for p in ms if p != "flashsdpa"}}
     if decode:
-        row["gbs"] = {p: kv_bytes / (ms[p] * 1e-3) / 1e9 for p in ms if p.startswith("flash")}
+        row["gbs"] = {p: kv_bytes[p] / (ms[p] * 1e-3) / 1e9 for p in ms if p.startswith("flash")}
         row["read_probes_gbs"] = probes
         # each round's GB/s over the probe taken right after it, the median over the rounds
-        row["frac_read"] = {p: statistics.median(kv_bytes / t / 1e9 / pr for t, pr in
+        row["frac_read"] = {p: statistics.median(kv_bytes[p] / t / 1e9 / pr for t, pr in
                                                   zip(samples[p], probes))
                             for p in row["gbs"]}
     return row
@@ -181,9 +202,19 @@ def markdown(meta, rows):
                      f"{others} | {bw or '-'} |")
     lines.append("")
     for p in sorted({p for r in rows for p in r["speedup"]}):
+        if p.startswith("flashsdpa "):  # flashsdpa's own other cache forms: below
+            continue
         xs = [r["speedup"][p] for r in rows if p in r["speedup"]]
         lines.append(f"flashsdpa over {p}: geomean {geomean(xs):.2f}x, range "
                      f"{min(xs):.2f}-{max(xs):.2f}x ({len(xs)} cases)")
+    for r in rows:
+        if "flashsdpa fp8" in r["ms"]:
+            ms = r["ms"]
+            lines.append(
+                f"{r['case']} {r['dtype']}: paged cache at {ms['flashsdpa'] / ms['flashsdpa paged']:.2f}x "
+                f"the contiguous cache's speed; fp8 cache {ms['flashsdpa'] / ms['flashsdpa fp8']:.2f}x "
+                f"(paged {ms['flashsdpa paged'] / ms['flashsdpa paged fp8']:.2f}x) the speed of the "
+                f"{r['dtype']} one")
     return "\n".join(lines)
 
 

@@ -560,6 +560,8 @@ constexpr const char* kKvcache = "flashsdpa.flash_attn_with_kvcache: ";
 // and, paged, its row of the block table.
 struct KvCache {
   bool paged = false;
+  bool e4m3 = false;            // float8_e4m3fn cache
+  at::Tensor k_scale, v_scale;  // e4m3: float32, one element or one per kv head, contiguous
   int64_t page = 0, capacity = 0, n_new = 0;
   std::vector<int64_t> seqlen;  // keys per sequence after the append
   at::Tensor table;             // paged: int32 (B, max_blocks), contiguous
@@ -569,7 +571,9 @@ KvCache check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       const c10::optional<at::Tensor>& k_new,
                       const c10::optional<at::Tensor>& v_new,
                       const c10::optional<at::Tensor>& cache_seqlens,
-                      const c10::optional<at::Tensor>& block_table) {
+                      const c10::optional<at::Tensor>& block_table,
+                      const c10::optional<at::Tensor>& k_scale,
+                      const c10::optional<at::Tensor>& v_scale) {
   const char* names[3] = {"q", "k_cache", "v_cache"};
   const at::Tensor* ts[3] = {&q, &k_cache, &v_cache};
   for (int i = 0; i < 3; ++i)
@@ -582,10 +586,29 @@ KvCache check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::
                         v_cache.size(2) == Hkv,
                     kKvcache, "v_cache must match k_cache in its first three dims ",
                     k_cache.sizes().slice(0, 3), ", got ", v_cache.sizes());
-  TORCH_CHECK_VALUE(k_cache.scalar_type() == q.scalar_type() &&
-                        v_cache.scalar_type() == q.scalar_type(),
-                    kKvcache, "k_cache and v_cache must have q's dtype (", q.scalar_type(),
-                    "), got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  c.e4m3 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK_VALUE((k_cache.scalar_type() == q.scalar_type() || c.e4m3) &&
+                        v_cache.scalar_type() == k_cache.scalar_type(),
+                    kKvcache, "k_cache and v_cache must both have q's dtype (", q.scalar_type(),
+                    ") or both be float8_e4m3fn, got ", k_cache.scalar_type(), " and ",
+                    v_cache.scalar_type());
+  const char* scale_names[2] = {"k_scale", "v_scale"};
+  const c10::optional<at::Tensor>* scales[2] = {&k_scale, &v_scale};
+  for (int i = 0; i < 2; ++i) {
+    const c10::optional<at::Tensor>& sc = *scales[i];
+    if (!sc.has_value() || !sc->defined()) {  // a float8 cache without a scale: scale 1
+      if (c.e4m3) (i == 0 ? c.k_scale : c.v_scale) = at::ones({1}, q.options().dtype(at::kFloat));
+      continue;
+    }
+    TORCH_CHECK_VALUE(c.e4m3, kKvcache, scale_names[i], " is for float8_e4m3fn caches only (the "
+                      "cache is ", k_cache.scalar_type(), ")");
+    TORCH_CHECK_VALUE(sc->scalar_type() == at::kFloat && sc->device().is_cpu() &&
+                          (sc->numel() == 1 || (sc->dim() == 1 && sc->size(0) == Hkv)),
+                      kKvcache, scale_names[i], " must be a float32 CPU tensor with one element or "
+                      "one per kv head (", Hkv, ",), got ", sc->scalar_type(), " ", sc->sizes(),
+                      " on ", sc->device());
+    (i == 0 ? c.k_scale : c.v_scale) = sc->reshape({-1}).contiguous();
+  }
   if (c.paged) {
     const at::Tensor& bt = *block_table;
     TORCH_CHECK_VALUE(bt.scalar_type() == at::kInt && bt.dim() == 2 && bt.size(0) == B &&
@@ -615,10 +638,10 @@ KvCache check_kvcache(const at::Tensor& q, const at::Tensor& k_cache, const at::
                           vn.size(2) == Hkv && vn.size(3) == v_cache.size(3),
                       kKvcache, "v must be (batch, new tokens, kv heads, head_dim_v) = (", B,
                       ", ", kn.size(1), ", ", Hkv, ", ", v_cache.size(3), "), got ", vn.sizes());
-    TORCH_CHECK_VALUE(kn.scalar_type() == k_cache.scalar_type() &&
-                          vn.scalar_type() == v_cache.scalar_type(),
-                      kKvcache, "k and v must have the cache's dtype (", k_cache.scalar_type(),
-                      ")");
+    TORCH_CHECK_VALUE(kn.scalar_type() == q.scalar_type() && vn.scalar_type() == q.scalar_type(),
+                      kKvcache, "k and v must have q's dtype (", q.scalar_type(), "; a float8 "
+                      "cache stores them quantised), got ", kn.scalar_type(), " and ",
+                      vn.scalar_type());
     c.n_new = kn.size(1);
   }
   c.seqlen.assign(B, c.capacity);
@@ -665,6 +688,18 @@ void cache_runs(const KvCache& c, int64_t b, int64_t n0, int64_t n, Fn&& fn) {
   }
 }
 
+// A float8_e4m3fn cache's values in `dtype`: stored * scale (scale: one element, or one per kv
+// head of t's dim -2).
+at::Tensor dequantize(const at::Tensor& t, const at::Tensor& scale, at::ScalarType dtype) {
+  return (t.to(at::kFloat) * scale.view({-1, 1})).to(dtype);
+}
+
+// New k / v for a float8_e4m3fn cache: round-to-nearest(value / scale), saturated to e4m3's
+// range (+-448) rather than PyTorch's cast, which gives NaN out of range; NaN stays NaN.
+at::Tensor quantize_e4m3(const at::Tensor& t, const at::Tensor& scale) {
+  return (t.to(at::kFloat) / scale.view({-1, 1})).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
@@ -673,26 +708,33 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
     const c10::optional<at::Tensor>& cache_seqlens, const c10::optional<at::Tensor>& block_table,
     c10::optional<double> softmax_scale, bool causal, int64_t window_left, int64_t window_right,
     double softcap, const c10::optional<at::Tensor>& alibi_slopes,
-    const c10::optional<at::Tensor>& sinks) {
+    const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& k_scale,
+    const c10::optional<at::Tensor>& v_scale) {
   const bool bottom_right = true;
-  const KvCache c = check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table);
+  const KvCache c = check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                                  k_scale, v_scale);
   const int64_t B = q.size(0), Lq = q.size(1), Hq = q.size(2);
   const at::Tensor q4 = last_dim_unit_stride(q).transpose(1, 2);  // (B, Hq, Lq, D)
   // the kernels' checks (dtype, device, head counts and dims, the variants) on the shape of a
   // contiguous cache, which holds no data
   const auto shaped = [&](const at::Tensor& t) {
-    return at::empty({B, t.size(2), 0, t.size(3)}, t.options());
+    return at::empty({B, t.size(2), 0, t.size(3)}, q.options());
   };
   check_op_inputs(q4, shaped(k_cache), shaped(v_cache), c10::nullopt, 0.0, FLASHSDPA_VARIANT_ARGS);
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, kKvcache,
               "k_cache and v_cache must have unit stride in their last dim (written in place)");
 
   // the append: exactly the new tokens' rows of the cache, in place
+  at::Tensor k_in, v_in;  // the new rows in the cache's dtype
+  if (c.n_new > 0) {
+    k_in = c.e4m3 ? quantize_e4m3(*k_new, c.k_scale) : *k_new;
+    v_in = c.e4m3 ? quantize_e4m3(*v_new, c.v_scale) : *v_new;
+  }
   for (int64_t b = 0; b < B && c.n_new > 0; ++b) {
     int64_t t = 0;
     cache_runs(c, b, c.seqlen[b] - c.n_new, c.n_new, [&](int64_t page, int64_t row, int64_t m) {
-      k_cache[page].narrow(0, row, m).copy_((*k_new)[b].narrow(0, t, m));
-      v_cache[page].narrow(0, row, m).copy_((*v_new)[b].narrow(0, t, m));
+      k_cache[page].narrow(0, row, m).copy_(k_in[b].narrow(0, t, m));
+      v_cache[page].narrow(0, row, m).copy_(v_in[b].narrow(0, t, m));
       t += m;
     });
   }
@@ -712,9 +754,15 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
   base.o_sb = out.stride(0), base.o_sh = out.stride(2), base.o_sl = out.stride(1);
   base.lse = lse.data_ptr<float>();
   base.lse_sb = lse.stride(0), base.lse_sh = lse.stride(1), base.lse_sl = lse.stride(2);
-  const int64_t esize = q.element_size();
+  if (c.e4m3) {
+    base.kv_e4m3 = true;
+    base.k_scale = c.k_scale.data_ptr<float>(), base.k_scale_sh = c.k_scale.numel() > 1;
+    base.v_scale = c.v_scale.data_ptr<float>(), base.v_scale_sh = c.v_scale.numel() > 1;
+  }
+  const int64_t esize = q.element_size(), kv_esize = k_cache.element_size();
 
   std::vector<AttnParams> seg;
+  std::vector<int64_t> seg_b;  // each segment's sequence
   for (int64_t b = 0; b < B; ++b) {
     if (Lq == 0) break;
     if (c.seqlen[b] == 0) {  // rows that see no key: 0, lse the sink's score or -inf
@@ -738,24 +786,33 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
       p.page_size = c.page;
       p.k_spage = base.k_sb, p.v_spage = base.v_sb;
     } else {
-      p.k = element_at(base.k, b, base.k_sb, esize);
-      p.v = element_at(base.v, b, base.v_sb, esize);
+      p.k = element_at(base.k, b, base.k_sb, kv_esize);
+      p.v = element_at(base.v, b, base.v_sb, kv_esize);
     }
     seg.push_back(p);
+    seg_b.push_back(b);
   }
   if (seg.empty()) return {out, lse};
   const KernelPolicy pol = plan_forward(largest(seg));
-  // Paged and not on the decode path (a long chunk of queries): each sequence's blocks are
-  // gathered into contiguous K / V first, a copy that is small next to the prefill's work.
+  // Not on the decode path (a long chunk of queries), a paged or float8 cache: each sequence's
+  // keys are gathered (and dequantised to q's dtype) into contiguous K / V first, a copy that
+  // is small next to the prefill's work.
   std::vector<at::Tensor> gathered;
-  if (c.paged && !pol.decode) {
-    for (auto& p : seg) {
-      const int64_t b = (p.block_table - c.table.data_ptr<int32_t>()) / c.table.size(1);
-      const int64_t nblocks = (p.Lk + c.page - 1) / c.page;
-      const at::Tensor idx = c.table[b].narrow(0, 0, nblocks).to(at::kLong);
+  if ((c.paged || c.e4m3) && !pol.decode) {
+    for (int64_t i = 0; i < int64_t(seg.size()); ++i) {
+      AttnParams& p = seg[i];
       for (int kv = 0; kv < 2; ++kv) {
         const at::Tensor& cache = kv == 0 ? k_cache : v_cache;
-        at::Tensor g = cache.index_select(0, idx).flatten(0, 1).narrow(0, 0, p.Lk);  // (Lk, Hkv, D)
+        const int64_t b = seg_b[i];
+        at::Tensor g;  // (Lk, Hkv, D)
+        if (c.paged) {
+          const int64_t nblocks = (p.Lk + c.page - 1) / c.page;
+          const at::Tensor idx = c.table[b].narrow(0, 0, nblocks).to(at::kLong);
+          g = cache.index_select(0, idx).flatten(0, 1).narrow(0, 0, p.Lk);
+        } else {
+          g = cache[b].narrow(0, 0, p.Lk);
+        }
+        if (c.e4m3) g = dequantize(g, kv == 0 ? c.k_scale : c.v_scale, q.scalar_type());
         gathered.push_back(g);
         (kv == 0 ? p.k : p.v) = g.data_ptr();
         (kv == 0 ? p.k_sh : p.v_sh) = g.stride(1);
@@ -763,6 +820,7 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
       }
       p.block_table = nullptr;
       p.page_size = 0;
+      p.kv_e4m3 = false;
     }
   }
   run_forward_segments(seg.data(), int64_t(seg.size()), pol);
@@ -823,7 +881,7 @@ TORCH_LIBRARY(flashsdpa, m) {
       "flash_attn_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, "
       "Tensor? v=None, Tensor? cache_seqlens=None, Tensor? block_table=None, *, "
       "float? softmax_scale=None, bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
-      ") -> (Tensor out, Tensor logsumexp)");
+      ", Tensor? k_scale=None, Tensor? v_scale=None) -> (Tensor out, Tensor logsumexp)");
 }
 
 TORCH_LIBRARY_IMPL(flashsdpa, CPU, m) {

@@ -45,6 +45,12 @@ struct AttnParams {
   // k + page * k_spage + (j % page_size) * k_sl + hk * k_sh (v likewise). page_size 0: not paged.
   const int32_t* block_table;
   int64_t page_size, k_spage, v_spage;
+  // float8_e4m3fn K / V (the split-KV decode path only; q and out keep `dtype`): value = stored *
+  // k_scale[hk * k_scale_sh] (v likewise; sh 0 for one scale, 1 for one per kv head).
+  bool kv_e4m3;
+  const float* k_scale;
+  const float* v_scale;
+  int64_t k_scale_sh, v_scale_sh;
 
   // logsumexp: [B, Hq, Lq] fp32, natural log of sum_j exp(scale * q.k_j + mask_j); 0 for rows
   // with no key to attend to (PyTorch's convention: the backward then sees P = 0 for them).

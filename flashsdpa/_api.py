@@ -155,10 +155,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     decode (Lq = 1), speculative decoding and chunked prefill. Every variant. -> out
     (B, Lq, H, Dv) [, lse (B, H, Lq) float32]. No gradient. Short queries take the split-KV
     decode path, reading a paged cache in place. CPU tensors in float32 / bfloat16 / float16.
+
+    float8_e4m3fn caches (k_cache and v_cache both): value = stored * k_scale (v_scale), each a
+    float32 tensor of one element or one per kv head (Hkv,), or a float (None: 1.0). The decode
+    path reads the bytes and widens them in registers; k / v to append (q's dtype) are stored as
+    round-to-nearest(value / scale), saturated to +-448.
     """
-    if k_scale is not None or v_scale is not None or k_cache.dtype == torch.float8_e4m3fn:
-        raise NotImplementedError("flashsdpa.flash_attn_with_kvcache: float8 caches (k_scale, "
-                                  "v_scale) are not supported yet")
+    k_scale, v_scale = (torch.tensor([float(s)], dtype=torch.float32)
+                        if isinstance(s, (int, float)) else s for s in (k_scale, v_scale))
     if q.device.type != "cpu" or q.dtype not in _KERNEL_DTYPES:
         raise ValueError("flashsdpa.flash_attn_with_kvcache: q must be a CPU tensor in float32, "
                          f"bfloat16 or float16, got {q.dtype} on {q.device}")
@@ -168,7 +172,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     out, lse = _kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                            softmax_scale=softmax_scale, causal=bool(causal), window_left=left,
                            window_right=right, softcap=float(softcap), alibi_slopes=alibi_slopes,
-                           sinks=sinks)
+                           sinks=sinks, k_scale=k_scale, v_scale=v_scale)
     return (out, lse) if return_lse else out
 
 

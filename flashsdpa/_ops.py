@@ -81,7 +81,7 @@ def _varlen_bwd_fake(grad_out, q, k, v, out, logsumexp, rng_state, cu_seqlens_q,
 @torch.library.register_fake("flashsdpa::flash_attn_with_kvcache")
 def _kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None, *,
                   softmax_scale=None, causal=False, window_left=-1, window_right=-1, softcap=0.0,
-                  alibi_slopes=None, sinks=None):
+                  alibi_slopes=None, sinks=None, k_scale=None, v_scale=None):
     batch, seq_q, heads = q.shape[0], q.shape[1], q.shape[2]
     out = q.new_empty((batch, seq_q, heads, v_cache.shape[3]))
     return out, q.new_empty((batch, heads, seq_q), dtype=torch.float32)

@@ -7,6 +7,8 @@ enable() installs C++ kernels (csrc/routing.cpp) for
     formula and meta kernels (so torch.compile graphs call it too);
   * aten::scaled_dot_product_attention (CompositeImplicitAutograd): calls PyTorch would send to
     its math path but flashsdpa fuses (dropout in training, 3-D inputs, Dv != D, 3-D masks);
+  * torch.nested's jagged-layout SDPA hook (flashsdpa/_nested.py): nested (jagged) CPU tensors
+    run the varlen kernel instead of PyTorch's per-sequence math path;
   * on the XPU key, when Triton is installed (flashsdpa/_gpu.py): the Triton kernels for
     aten::_scaled_dot_product_fused_attention_overrideable and aten::_scaled_dot_product_flash_attention
     (+ backwards), and xpu SDPA calls PyTorch would run on its math path go to the overrideable op.
@@ -21,7 +23,7 @@ process keep the graph they were traced with: call torch._dynamo.reset() after t
 import contextlib
 import threading
 
-from . import _C, _gpu
+from . import _C, _gpu, _nested
 
 _lock = threading.RLock()
 
@@ -41,6 +43,7 @@ def enable():
     flashsdpa wherever it can take the call. Idempotent, thread-safe."""
     with _lock:
         _C.routing_enable()
+        _nested.install()
         _gpu.enable()
         _set_cache_tag(True)
 
@@ -49,6 +52,7 @@ def disable():
     """Restore PyTorch's own SDPA kernels. Idempotent, thread-safe."""
     with _lock:
         _gpu.disable()
+        _nested.uninstall()
         _C.routing_disable()
         _set_cache_tag(False)
 

@@ -182,7 +182,7 @@ def test_bench_serving_tiny_run(tmp_path):
         assert all(d <= 4e-2 for d in r["max_abs_diff"].values()), r
         if r["case"].startswith("decode"):
             assert len(r["read_probes_gbs"]) == 2 and set(r["frac_read"]) == {
-                "flashsdpa", "flashsdpa paged"}
+                "flashsdpa", "flashsdpa paged", "flashsdpa fp8", "flashsdpa paged fp8"}
     assert set(rows[-1]["ms"]) == {"flashsdpa", "loop", "torch (padded)"}
     readme = tmp_path / "README.md"
     readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")

@@ -174,7 +174,7 @@ def _bad(name):
         "k without v": ((q, kc, vc, kn, None, seq), "k and v must be given together"),
         "cache batch": ((q, kc[:2], vc[:2], kn, vn, seq), "k_cache must have q's batch size"),
         "cache dtype": ((q, kc.double(), vc.double(), kn, vn, seq),
-                        "k_cache and v_cache must have q's dtype"),
+                        "k_cache and v_cache must both have q's dtype"),
         "block out of range": ((q, kp, vp, kn, vn, seq, table.masked_fill(table == table[2, 3],
                                                                            999)),
                                "block_table[2, 3] = 999 is not a block of k_cache"),
@@ -196,11 +196,147 @@ def test_kvcache_bad_arguments_name_the_argument(name):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def test_kvcache_float8_not_yet():
+# ---- float8_e4m3fn caches ---------------------------------------------------------------------
+E4M3 = torch.float8_e4m3fn
+
+
+def quantize(x, scale):
+    """What the append stores: round-to-nearest(x / scale), saturated to +-448 (scale: one
+    element or one per kv head, x's dim -2)."""
+    return (x.float() / scale.view(-1, 1)).clamp(-448, 448).to(E4M3)
+
+
+def dequantize(x8, scale, dtype=torch.float64):
+    return (x8.to(dtype) * scale.to(dtype).view(-1, 1))
+
+
+def make_e4m3_cache(dtype, lq, per_head, **variant):
+    """make_cache's tensors with a float8 cache quantised from them (values near each kv head's
+    range, a few in e4m3's subnormal range) and its scales."""
+    q, kc, vc, kn, vn, kw = make_cache(dtype, lq, lq, **variant)
+    kc, vc = kc.float() * 3, vc.float() * 3
+    kc[:, ::7, :, ::5] *= 1e-3  # e4m3 subnormals (below 2^-6 after the scale)
+    scales = []
+    for cache in (kc, vc):
+        amax = cache.abs().amax(dim=(0, 1, 3)) / 448  # per kv head
+        scales.append(amax if per_head else amax.max().reshape(()))
+    return q, quantize(kc, scales[0]), quantize(vc, scales[1]), kn, vn, kw, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [1, 4, 40])
+@pytest.mark.parametrize("layout", ["contiguous-scalar", "paged16-per-head"])
+@pytest.mark.parametrize("variant", ["causal", "alibi-sinks"])
+def test_kvcache_e4m3_against_reference(tier, variant, layout, lq, dtype):
+    """float8 caches against the fp64 reference over the dequantised values (the new keys /
+    values as the append quantises them): short queries on the decode path, which widens the
+    bytes in registers; longer chunks over keys dequantised to q's dtype first."""
+    per_head = layout.endswith("per-head")
+    q, kc, vc, kn, vn, kw, (ks, vs) = make_e4m3_cache(dtype, lq, per_head, **VARIANTS[variant])
+    kn_q, vn_q = dequantize(quantize(kn, ks), ks), dequantize(quantize(vn, vs), vs)
+    kc_d, vc_d = dequantize(kc, ks), dequantize(vc, vs)
+    want, want_lse = expected(q, kc_d, vc_d, kn_q, vn_q, kw, torch.float64)
+    base, _ = expected(q, kc_d.to(dtype), vc_d.to(dtype), kn_q.to(dtype), vn_q.to(dtype), kw, dtype)
+    table = None
+    if layout.startswith("paged"):
+        (kc, table), (vc, _) = paged(kc, 16), paged(vc, 16)
+    with _testing.counting() as counts:
+        out, lse = flashsdpa.flash_attn_with_kvcache(
+            q, kc, vc, kn, vn, torch.tensor(SEQLENS, dtype=torch.int32), table,
+            causal=kw.get("causal", False), alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
+            k_scale=ks, v_scale=vs, return_lse=True)
+        assert_kernel_ran(counts, tier, dtype)
+        assert (counts()["decode_blocks"] > 0) == (lq <= 16)
+    what = f"{tier} e4m3 {variant} {layout} lq={lq}"
+    assert_within_rule(out, base, want, dtype, what)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2 if dtype != torch.float32
+                               else 1e-5, rtol=1e-3)
+
+
+def test_kvcache_e4m3_widening_is_exact_for_every_byte(tier):
+    """One key whose value row holds all 256 bytes: the output is that row, widened and scaled
+    exactly as PyTorch converts float8_e4m3fn (the two NaN bytes give NaN)."""
+    v8 = torch.arange(256, dtype=torch.uint8).view(E4M3).view(1, 1, 1, 256)
+    k8 = torch.zeros(1, 1, 1, 16, dtype=E4M3)
+    q = torch.randn(1, 1, 1, 16)
+    for v_scale in (1.0, 0.37):
+        out = flashsdpa.flash_attn_with_kvcache(q, k8, v8, k_scale=2.0, v_scale=v_scale)
+        want = v8.float() * torch.tensor(v_scale)
+        torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
+    # K: each score is q . k exactly, which the lse of a single key is
+    k8 = torch.arange(128, dtype=torch.uint8).view(E4M3).view(128, 1, 1, 1)  # every magnitude
+    q = torch.ones(128, 1, 1, 1)
+    _, lse = flashsdpa.flash_attn_with_kvcache(q, k8, torch.zeros(128, 1, 1, 4, dtype=E4M3),
+                                               k_scale=0.5, return_lse=True, softmax_scale=1.0)
+    want = (k8.float() * 0.5).view(128, 1, 1)
+    finite = want.isfinite()  # (lse passes through log2 units: rounding, not widening error)
+    torch.testing.assert_close(lse[finite], want[finite], atol=1e-30, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_kvcache_e4m3_append_stores_the_quantised_values(block_size):
+    """k / v appended to a float8 cache: exactly those slots, round-to-nearest(value / scale)
+    saturated to +-448 (values far out of range included), every other byte untouched."""
+    q, kc, vc, kn, vn, _, (ks, vs) = make_e4m3_cache(torch.bfloat16, 4, per_head=True)
+    kn = kn.clone()
+    kn[0, 0, 0, :3] = torch.tensor([1e6, -1e6, 0.0])  # saturates to 448, -448
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = paged(kc, block_size), paged(vc, block_size)
+    before_k, before_v = kc.clone(), vc.clone()
+    flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn, vn, torch.tensor(SEQLENS, dtype=torch.int32),
+                                      table, causal=True, k_scale=ks, v_scale=vs)
+    want_k, want_v = before_k.view(torch.uint8).clone(), before_v.view(torch.uint8).clone()
+    kq, vq = quantize(kn, ks).view(torch.uint8), quantize(vn, vs).view(torch.uint8)
+    assert kq[0, 0, 0, :2].tolist() == [0x7E, 0xFE]
+    for b, n in enumerate(SEQLENS):
+        for t in range(kn.shape[1]):
+            pos = n + t
+            if table is None:
+                want_k[b, pos], want_v[b, pos] = kq[b, t], vq[b, t]
+            else:
+                blk, row = table[b, pos // block_size], pos % block_size
+                want_k[blk, row], want_v[blk, row] = kq[b, t], vq[b, t]
+    assert torch.equal(kc.view(torch.uint8), want_k)
+    assert torch.equal(vc.view(torch.uint8), want_v)
+
+
+def test_kvcache_e4m3_nan_in_a_visible_key_gives_nan():
+    """A NaN byte among a sequence's visible keys reaches that sequence's rows (of its kv head),
+    as it would through the dequantised reference; keys beyond cache_seqlens are never read."""
     q, kc, vc, _, _, _ = make_cache(torch.float32, 1, 0)
-    with pytest.raises(NotImplementedError, match="float8"):
-        flashsdpa.flash_attn_with_kvcache(q, kc.to(torch.float8_e4m3fn),
-                                          vc.to(torch.float8_e4m3fn), k_scale=torch.tensor(1.0))
+    kc8, vc8 = quantize(kc, torch.tensor(0.05)), quantize(vc, torch.tensor(0.05))
+    nan = torch.tensor(0x7F, dtype=torch.uint8).view(E4M3)
+    kc8[0, 10, 1, 3] = nan  # visible for sequence 0 (37 keys)
+    kc8[2, 120, :, :] = nan  # beyond sequence 2's 101 keys
+    out = flashsdpa.flash_attn_with_kvcache(q, kc8, vc8, cache_seqlens=torch.tensor(
+        SEQLENS, dtype=torch.int32), k_scale=0.05, v_scale=0.05)
+    group = HQ // HKV
+    assert out[0, :, group:].isnan().all() and not out[0, :, :group].isnan().any()
+    assert not out[2].isnan().any()
+
+
+def test_kvcache_e4m3_bad_scales_name_the_argument():
+    q, kc, vc, kn, vn, _, (ks, vs) = make_e4m3_cache(torch.float32, 1, per_head=True)
+    seq = torch.tensor(SEQLENS, dtype=torch.int32)
+    cases = [
+        (dict(k_scale=torch.ones(HKV + 1)), "k_scale must be a float32 CPU tensor with one "
+                                            "element or one per kv head"),
+        (dict(v_scale=torch.ones(HKV, dtype=torch.float64)), "v_scale must be a float32"),
+        (dict(k_scale=torch.ones(1, HKV)), "k_scale must be a float32"),
+    ]
+    for kwargs, message in cases:
+        before = kc.clone()
+        with pytest.raises(ValueError, match=message):
+            flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn, vn, seq, **kwargs)
+        assert torch.equal(kc.view(torch.uint8), before.view(torch.uint8))  # nothing written
+    qf, kf, vf, _, _, _ = make_cache(torch.float32, 1, 0)
+    with pytest.raises(ValueError, match="k_scale is for float8_e4m3fn caches only"):
+        flashsdpa.flash_attn_with_kvcache(qf, kf, vf, k_scale=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="k_cache and v_cache must both have q's dtype"):
+        flashsdpa.flash_attn_with_kvcache(q, kc, vc.float(), cache_seqlens=seq)
+    with pytest.raises(ValueError, match="k and v must have q's dtype"):
+        flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn.double(), vn.double(), seq)
 
 
 def test_kvcache_opcheck():
@@ -212,6 +348,11 @@ def test_kvcache_opcheck():
         torch.library.opcheck(torch.ops.flashsdpa.flash_attn_with_kvcache.default, args,
                               dict(causal=True, window_left=20, alibi_slopes=kw["alibi"],
                                    sinks=kw["sinks"]))
+    q, kc8, vc8, kn, vn, _, (ks, vs) = make_e4m3_cache(torch.bfloat16, 1, per_head=True)
+    # (test_schema compares the outputs with ops PyTorch lacks for float8 tensors)
+    torch.library.opcheck(torch.ops.flashsdpa.flash_attn_with_kvcache.default,
+                          (q, kc8, vc8, kn, vn, seq, None), dict(k_scale=ks, v_scale=vs),
+                          test_utils=("test_faketensor", "test_autograd_registration"))
 
 
 def test_kvcache_compile_keeps_the_append():

@@ -130,9 +130,9 @@ struct AmxOps : Avx512Bf16Ops {
   }
 };
 
-template <>
-struct DecodeOpsOf<AmxOps> {
-  using type = Avx512Bf16DecodeOps;  // short queries do not fill tiles
+template <class KV>
+struct DecodeOpsOf<AmxOps, KV> {  // short queries do not fill tiles
+  using type = typename DecodeOpsOf<Avx512Bf16Ops, KV>::type;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

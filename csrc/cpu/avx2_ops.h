@@ -26,6 +26,18 @@ inline __m256 load8(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// e4m3 bytes -> the fp16 bits of e4m3_to_f16_scaled (scalar.h), 8 (xmm) or 16 (ymm) lanes.
+inline __m128i e4m3_f16_bits(__m128i w) {  // w: 8 bytes zero-extended to 16-bit lanes
+  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
+  const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
+  return _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(mag, 7)), nan);
+}
+inline __m256 load8(const e4m3_t* p) {  // the value x 2^-8 (see e4m3_t)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(e4m3_f16_bits(_mm_cvtepu8_epi16(b)));
+}
+
 // n < 8 elements, the rest of the vector zero.
 template <class T>
 inline __m256 load8_partial(const T* p, int n) {

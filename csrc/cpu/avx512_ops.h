@@ -22,6 +22,17 @@ inline __m512 load16(const bf16_t* p) {
 inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline __m512 e4m3_widen16(__m128i b) {  // 16 e4m3 bytes -> the values x 2^-8 (see e4m3_t)
+  const __m256i w = _mm256_cvtepu8_epi16(b);
+  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
+  const __m256i nan =
+      _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7)), nan));
+}
+inline __m512 load16(const e4m3_t* p) {
+  return e4m3_widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 // n < 16 elements, the rest zero (masked loads: nothing past the end is touched)
 inline __m512 load16_partial(const float* p, int n) {
   return _mm512_maskz_loadu_ps(tail_mask16(n), p);
@@ -29,6 +40,9 @@ inline __m512 load16_partial(const float* p, int n) {
 inline __m512 load16_partial(const bf16_t* p, int n) {
   const __m256i h = _mm256_maskz_loadu_epi16(tail_mask16(n), p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16_partial(const e4m3_t* p, int n) {
+  return e4m3_widen16(_mm_maskz_loadu_epi8(tail_mask16(n), p));
 }
 inline __m512 load16_partial(const f16_t* p, int n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask16(n), p));

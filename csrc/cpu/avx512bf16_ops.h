@@ -445,9 +445,12 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
 };
 
-template <>
-struct DecodeOpsOf<Avx512Bf16Ops> {
-  using type = Avx512Bf16DecodeOps;
+// bf16 K / V: the bf16 dot-product kernels; an e4m3 cache is widened to fp32 (vdpbf16ps treats
+// bf16 subnormals as 0, and e4m3's subnormals would land there), so it takes the fp32 trait.
+template <class KV>
+struct DecodeOpsOf<Avx512Bf16Ops, KV> {
+  using type =
+      typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Ops, Avx512Bf16DecodeOps>::type;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -9,7 +9,10 @@
 //       DecodeMerge: per (b, hkv), rows merged over the splits in order:
 //         m* = max_s m_s;  l = sum_s 2^(m_s - m*) l_s;  out = sum_s 2^(m_s - m*) acc_s / l
 //   * K and V rows are read in place (any row stride: a padded cache view is never copied),
-//     bf16 / fp16 widened in registers by the trait's decode_qk / decode_pv.
+//     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv.
+//     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
+//     what its widening leaves out) go into the query rows for K and into the partials for V,
+//     both linear, so the kernels never see them.
 // Splits depend on the shape only, so results do not depend on the thread count.
 #pragma once
 #include <cstring>
@@ -20,10 +23,10 @@ namespace flashsdpa {
 namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 
-template <class TierOps, class T>
+template <class TierOps, class T, class KV = T>
 struct FlashDecode {
-  using Ops = typename DecodeOpsOf<TierOps>::type;
-  static constexpr int kBlock = sizeof(T) == 2 ? 512 : 256;  // keys per block (block_keys)
+  using Ops = typename DecodeOpsOf<TierOps, KV>::type;
+  static constexpr int kBlock = 1024 / int(sizeof(KV));  // keys per block (block_keys)
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
   // Splits per (b, kv head): enough for about kTargetItems items in all, no more (each split
@@ -44,13 +47,13 @@ struct FlashDecode {
     return p.Hkv > 1 && p.Hkv <= kMaxItemHeads && p.k_sh < p.k_sl && p.v_sh < p.v_sl;
   }
   static int64_t heads_per_item(const AttnParams& p) { return all_heads(p) ? p.Hkv : 1; }
-  // Keys per block. One head per item: kBlock, 128 KiB of K (and of V) at D = 128 in either
-  // width, so the K and V streams alternate as often per byte for bf16 / fp16 as for fp32.
+  // Keys per block. One head per item: kBlock, 128 KiB of K (and of V) at D = 128 in every
+  // width, so the K and V streams alternate as often per byte for narrow types as for fp32.
   // Whole rows or paged: about kRowBytes of the item's K rows, well inside any L2.
   static constexpr int64_t kRowBytes = 128 * 1024;
   static int64_t block_keys(const AttnParams& p) {
     if (!all_heads(p) && p.page_size == 0) return kBlock;
-    const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(T));
+    const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(KV));
     return min64(kBlock, max64(16, kRowBytes / row / 16 * 16));
   }
   // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
@@ -77,7 +80,7 @@ struct FlashDecode {
   struct Layout {
     int ldq, lds, ldacc;
     float *q, *s, *acc, *m, *l, *mask;
-    T* kv;  // gathered: one block of K or V rows, head after head
+    KV* kv;  // gathered: one block of K or V rows, head after head
     int64_t total;
     Layout(const AttnParams& p, float* scratch = nullptr) {
       const int64_t M = rows(p) * heads_per_item(p), nb = block_keys(p);
@@ -91,9 +94,9 @@ struct FlashDecode {
       m = c.take(M);
       l = c.take(M);
       mask = c.take(M * lds);
-      kv = reinterpret_cast<T*>(c.take(
+      kv = reinterpret_cast<KV*>(c.take(
           p.page_size > 0 ? ceil_div(nb * max64(span(p, p.k_sh, p.D), span(p, p.v_sh, p.Dv)) *
-                                         int64_t(sizeof(T)), 4)
+                                         int64_t(sizeof(KV)), 4)
                           : 0));
       total = c.total;
     }
@@ -121,12 +124,12 @@ struct FlashDecode {
     return (heads_per_item(p) - 1) * sh + width;
   }
   static void gather_rows(const AttnParams& p, const void* base, int64_t sl, int64_t spage,
-                          int64_t sh, int64_t hk0, int64_t j0, int n, int64_t width, T* dst) {
-    const T* t = static_cast<const T*>(base) + hk0 * sh;
+                          int64_t sh, int64_t hk0, int64_t j0, int n, int64_t width, KV* dst) {
+    const KV* t = static_cast<const KV*>(base) + hk0 * sh;
     const auto row = [&](int64_t j) {
       return t + int64_t(p.block_table[j / p.page_size]) * spage + (j % p.page_size) * sl;
     };
-    const int64_t w = span(p, sh, width), bytes = w * int64_t(sizeof(T));
+    const int64_t w = span(p, sh, width), bytes = w * int64_t(sizeof(KV));
     for (int c = 0; c < n;) {
       const int64_t j = j0 + c;
       const int run = sl == w ? int(min64(n - c, p.page_size - j % p.page_size)) : 1;
@@ -137,6 +140,14 @@ struct FlashDecode {
       std::memcpy(dst + int64_t(c) * w, row(j), size_t(bytes * run));
       c += run;
     }
+  }
+
+  // The factor an e4m3 cache's widened K (or V) values of kv head hk need: its scale times
+  // kE4m3Unit; 1 for the other types.
+  static float kv_factor(const float* scale, int64_t sh, int64_t hk) {
+    if constexpr (std::is_same<KV, e4m3_t>::value) return scale[hk * sh] * kE4m3Unit;
+    (void)scale, (void)sh, (void)hk;
+    return 1.0f;
   }
 
   // Row r of the folded block of kv head hk: query head h = hk * group + r / Lq, query row
@@ -156,7 +167,8 @@ struct FlashDecode {
 
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
-      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq, q_mul);
+      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
+                          q_mul * kv_factor(p.k_scale, p.k_scale_sh, hk));
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
@@ -176,7 +188,7 @@ struct FlashDecode {
           Ops::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
                          int(M), s, L.lds);
         else
-          Ops::decode_qk(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+          Ops::decode_qk(k_row<KV>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
         any[e] = false;
         for (int64_t r = 0; r < M; ++r) {
           const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
@@ -196,7 +208,7 @@ struct FlashDecode {
       if (gather) gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk0, j0, nk, p.Dv, L.kv);
       for (int e = 0; e < nh; ++e) {
         if (!any[e]) continue;
-        const T* v = gather ? L.kv + e * p.v_sh : v_row<T>(p, b, hk0 + e, j0);
+        const KV* v = gather ? L.kv + e * p.v_sh : v_row<KV>(p, b, hk0 + e, j0);
         Ops::decode_pv(v, gather ? span(p, p.v_sh, p.Dv) : p.v_sl, nk, int(p.Dv),
                        L.s + e * M * L.lds, L.lds, int(M), L.acc + e * M * L.ldacc, L.ldacc);
       }
@@ -204,10 +216,11 @@ struct FlashDecode {
     const int64_t ld_part = L.ldacc + 2;
     for (int e = 0; e < nh; ++e) {  // partial (b, hk, sp), as the merge reads them
       float* part = p.dec_part + ((b * p.Hkv + hk0 + e) * ns + sp) * M * ld_part;
+      const float v_mul = kv_factor(p.v_scale, p.v_scale_sh, hk0 + e);
       for (int64_t r = 0; r < M; ++r) {
         const int64_t er = e * M + r;
         float* pr = part + r * ld_part;
-        for (int d = 0; d < int(p.Dv); ++d) pr[d] = L.acc[er * L.ldacc + d];
+        for (int d = 0; d < int(p.Dv); ++d) pr[d] = L.acc[er * L.ldacc + d] * v_mul;
         pr[L.ldacc] = L.m[er];
         pr[L.ldacc + 1] = L.l[er];
       }

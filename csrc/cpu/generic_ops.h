@@ -272,9 +272,9 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
     gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);                   \
   }
 
-// The trait the decode path uses (a tier whose operand format does not suit the short-query
-// kernels specialises this to an fp32 trait).
-template <class Ops>
+// The trait the decode path uses over K / V of storage type KV (a tier whose operand format
+// does not suit the short-query kernels specialises this to an fp32 trait).
+template <class Ops, class KV>
 struct DecodeOpsOf {
   using type = Ops;
 };

@@ -77,7 +77,21 @@ inline uint16_t f32_to_f16(float f) {
 struct bf16_t { uint16_t x; };
 struct f16_t { uint16_t x; };
 
+// float8_e4m3fn storage (KV caches only: the decode path reads it, nothing writes it). Every
+// widening of it, scalar or vector, yields the stored value x 2^-8 (kE4m3Unit^-1): the byte's
+// sign, exponent and mantissa become an fp16 (sign << 8 | magnitude << 7), exact for normals
+// and subnormals alike, as the fp16 exponent bias is 8 above e4m3's, and the conversion to fp32
+// is then the fp16 one; the two NaN bytes (magnitude 0x7F) become an fp16 NaN. Callers fold
+// kE4m3Unit into the scales they apply anyway.
+struct e4m3_t { uint8_t x; };
+constexpr float kE4m3Unit = 256.0f;
+inline uint16_t e4m3_to_f16_scaled(uint8_t b) {
+  const uint16_t mag = uint16_t(b & 0x7Fu);
+  return uint16_t(((b & 0x80u) << 8) | (mag << 7) | (mag == 0x7Fu ? 0x7E00u : 0u));
+}
+
 inline float to_f32(float v) { return v; }
+inline float to_f32(e4m3_t v) { return f16_to_f32(e4m3_to_f16_scaled(v.x)); }
 inline float to_f32(bf16_t v) { return bf16_to_f32(v.x); }
 inline float to_f32(f16_t v) { return f16_to_f32(v.x); }
 template <class T> inline T from_f32(float v);

@@ -22,6 +22,14 @@ template <class Ops>
 struct TierImpl {
   static_assert(Ops::kBlockQ % Ops::MR == 0, "forward q blocks must hold whole row groups");
 
+  // The decode phases over K / V of one storage type (Decode = FlashDecode<Ops, T, KV>).
+  template <class Decode>
+  static PhasePlan plan_decode(const AttnParams& p, Phase phase) {
+    if (phase == Phase::DecodeSplit)
+      return PhasePlan{Decode::split_items(p), 4 * Decode::scratch_floats(p), 4 * Decode::part_floats(p)};
+    return PhasePlan{Decode::merge_items(p), 4 * Decode::scratch_floats(p), 0};
+  }
+
   template <class T>
   static PhasePlan plan_typed(const AttnParams& p, Phase phase) {
     const Blocks bl(p);
@@ -54,14 +62,9 @@ struct TierImpl {
         pl.shared_bytes = 4 * FlashBackward<Ops, T>::dq_acc_floats(p, bl);
         break;
       case Phase::DecodeSplit:
-        pl.n_items = FlashDecode<Ops, T>::split_items(p);
-        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::scratch_floats(p);
-        pl.shared_bytes = 4 * FlashDecode<Ops, T>::part_floats(p);
-        break;
       case Phase::DecodeMerge:
-        pl.n_items = FlashDecode<Ops, T>::merge_items(p);
-        pl.scratch_bytes = 4 * FlashDecode<Ops, T>::scratch_floats(p);
-        break;
+        return p.kv_e4m3 ? plan_decode<FlashDecode<Ops, T, e4m3_t>>(p, phase)
+                         : plan_decode<FlashDecode<Ops, T>>(p, phase);
       case Phase::kCount:
         break;
     }
@@ -86,8 +89,14 @@ struct TierImpl {
         case Phase::BwdDkDv: FlashBackward<Ops, T>::run_dkdv(p, bl, item, scratch); break;
         case Phase::BwdDq: FlashBackward<Ops, T>::run_dq(p, bl, item, scratch); break;
         case Phase::BwdFused: FlashBackward<Ops, T>::run_fused(p, bl, item, scratch); break;
-        case Phase::DecodeSplit: FlashDecode<Ops, T>::run_split(p, item, scratch); break;
-        case Phase::DecodeMerge: FlashDecode<Ops, T>::run_merge(p, item, scratch); break;
+        case Phase::DecodeSplit:
+          p.kv_e4m3 ? FlashDecode<Ops, T, e4m3_t>::run_split(p, item, scratch)
+                    : FlashDecode<Ops, T>::run_split(p, item, scratch);
+          break;
+        case Phase::DecodeMerge:  // (the splits, and so the partials, depend on the type)
+          p.kv_e4m3 ? FlashDecode<Ops, T, e4m3_t>::run_merge(p, item, scratch)
+                    : FlashDecode<Ops, T>::run_merge(p, item, scratch);
+          break;
         case Phase::kCount: break;
       }
     }

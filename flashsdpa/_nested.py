@@ -1,0 +1,67 @@
+"""Nested (jagged) tensors through torch.nn.functional.scaled_dot_product_attention.
+
+PyTorch's jagged-layout NestedTensor takes SDPA calls in its __torch_function__ (before the
+dispatcher, so routing.cpp never sees them) and on CPU runs its math path: per-sequence score
+matrices. While flashsdpa is enabled, install() puts route() in that hook's place: the calls it
+can take run flash_attn_varlen_fwd over the packed values (no padding, one kernel call, the
+C++ autograd of the varlen op); everything else, and every call once disabled, goes to
+PyTorch's function unchanged.
+"""
+import torch
+
+from . import _C
+
+_ORIGINAL = None  # PyTorch's jagged SDPA, while route() stands in for it
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _ops_module():
+    from torch.nested._internal import ops
+    return ops
+
+
+def _takes(q, k, v, attn_mask, is_causal, enable_gqa):
+    """Whether the varlen kernel computes exactly what PyTorch would for these (B, H, j, D)
+    jagged tensors: the reasons it would not are listed in the README (Serving)."""
+    from torch.nested._internal.nested_tensor import NestedTensor
+    if not (_C.routing_enabled() and torch.backends.cuda.flash_sdp_enabled()):
+        return False  # disabled, or sdpa_kernel(...) without FLASH_ATTENTION
+    if not all(isinstance(t, NestedTensor) for t in (q, k, v)) or attn_mask is not None:
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == q.dtype and t.dim() == 4 and
+               t._ragged_idx == 2 and t._lengths is None for t in (q, k, v)):
+        return False  # (B, H, j, D) with contiguous offsets only; no holes
+    if q.dtype not in _DTYPES or q.size(1) % k.size(1) or (q.size(1) != k.size(1) and not enable_gqa):
+        return False  # PyTorch's own message for head counts it rejects
+    if is_causal and not torch.equal(q.offsets(), k.offsets()):
+        return False  # PyTorch aligns causal top-left, the varlen kernel bottom-right
+    return k.offsets() is v.offsets() or torch.equal(k.offsets(), v.offsets())
+
+
+def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    if not _takes(query, key, value, attn_mask, is_causal, enable_gqa):
+        return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, j, H, D): values (total, H, D)
+    off_q, off_k = q.offsets(), k.offsets()
+    cu_q, cu_k = off_q.to(torch.int32), off_k.to(torch.int32)
+    max_q = int((off_q[1:] - off_q[:-1]).max()) if off_q.numel() > 1 else 0
+    max_k = int((off_k[1:] - off_k[:-1]).max()) if off_k.numel() > 1 else 0
+    out, _, _ = torch.ops.flashsdpa.flash_attn_varlen_fwd(
+        q.values(), k.values(), v.values(), cu_q, cu_k, max_q, max_k, float(dropout_p),
+        softmax_scale=scale, causal=bool(is_causal))
+    return nested_view_from_values_offsets(out, off_q, max_seqlen=max_q).transpose(1, 2)
+
+
+def install():
+    global _ORIGINAL
+    ops = _ops_module()
+    if _ORIGINAL is None:
+        _ORIGINAL = ops.jagged_scaled_dot_product_attention
+    ops.jagged_scaled_dot_product_attention = route
+
+
+def uninstall():
+    if _ORIGINAL is not None:
+        _ops_module().jagged_scaled_dot_product_attention = _ORIGINAL

@@ -16,7 +16,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_sdpa import (flops, geomean, host_meta, make_inputs, make_step,  # noqa: E402
-                        save_json, time_case, _flashsdpa)
+                        parse_names, save_json, time_case, _flashsdpa)
 
 from flashsdpa import _testing  # noqa: E402
 
@@ -88,10 +88,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "paths.json"))
     args = ap.parse_args(argv)
-    names = args.paths.split(",")
-    for n in names:
-        if n not in PATHS:
-            ap.error(f"--paths: unknown path {n!r}; choose from {', '.join(PATHS)}")
+    try:
+        names = parse_names("path", args.paths, PATHS)
+    except ValueError as e:
+        ap.error(str(e))
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.threads:

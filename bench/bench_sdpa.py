@@ -222,12 +222,17 @@ def parse_shapes(spec, mode):
     return shapes
 
 
-def parse_dtypes(spec):
+def parse_names(flag, spec, allowed):
+    """The comma-separated names of --<flag>s, each one of `allowed` (ValueError otherwise)."""
     names = spec.split(",")
-    for d in names:
-        if d not in DTYPES:
-            raise ValueError(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-    return [DTYPES[d] for d in names]
+    for n in names:
+        if n not in allowed:
+            raise ValueError(f"--{flag}s: unknown {flag} {n!r}; choose from {', '.join(allowed)}")
+    return names
+
+
+def parse_dtypes(spec):
+    return [DTYPES[d] for d in parse_names("dtype", spec, DTYPES)]
 
 
 def make_inputs(B, Hq, Hkv, L, D, dtype, mode, device="cpu"):

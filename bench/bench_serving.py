@@ -29,7 +29,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peak  # noqa: E402
-from bench_sdpa import DTYPES, geomean, host_meta, save_json, time_case  # noqa: E402
+from bench_sdpa import (geomean, host_meta, parse_dtypes, parse_names,  # noqa: E402
+                         save_json, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -230,15 +231,11 @@ def main(argv=None):
                     "script, not a benchmark")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving.json"))
     args = ap.parse_args(argv)
-    cases = args.cases.split(",")
-    for c in cases:
-        if c not in CASES:
-            ap.error(f"--cases: unknown case {c!r}; choose from {', '.join(CASES)}")
-    dtypes = []
-    for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            ap.error(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-        dtypes.append(DTYPES[d])
+    try:
+        cases = parse_names("case", args.cases, CASES)
+        dtypes = parse_dtypes(args.dtypes)
+    except ValueError as e:
+        ap.error(str(e))
     if args.repeats < 0:
         ap.error("--repeats must be >= 1")
     if args.threads:

@@ -30,7 +30,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_sdpa import DTYPES, geomean, host_meta, save_json, time_case  # noqa: E402
+from bench_sdpa import (geomean, host_meta, parse_dtypes, parse_names,  # noqa: E402
+                         save_json, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -265,18 +266,12 @@ def main(argv=None):
                     "script, not a benchmark")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "variants.json"))
     args = ap.parse_args(argv)
-    cases, modes = args.cases.split(","), args.modes.split(",")
-    for c in cases:
-        if c not in CASES:
-            ap.error(f"--cases: unknown case {c!r}; choose from {', '.join(CASES)}")
-    for m in modes:
-        if m not in DEFAULT_REPEATS:
-            ap.error(f"--modes: unknown mode {m!r}; choose from fwd, train")
-    dtypes = []
-    for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            ap.error(f"--dtypes: unknown dtype {d!r}; choose from {', '.join(DTYPES)}")
-        dtypes.append(DTYPES[d])
+    try:
+        cases = parse_names("case", args.cases, CASES)
+        modes = parse_names("mode", args.modes, DEFAULT_REPEATS)
+        dtypes = parse_dtypes(args.dtypes)
+    except ValueError as e:
+        ap.error(str(e))
     if args.repeats < 0:
         ap.error("--repeats must be >= 1")
     if args.threads:

@@ -116,6 +116,20 @@ void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, boo
   p.lse_empty = lse_neg_inf ? -std::numeric_limits<float>::infinity() : 0.0f;
 }
 
+// A backward's sinks gradient (fp32 (Hq,), zeros; (0,) without sinks), pointed to by p, and the
+// forward's dropout stream (rng_state: seed, offset) when there is dropout.
+at::Tensor fill_backward(AttnParams& p, const VariantTensors& vt, int64_t Hq, const at::Tensor& q,
+                         double dropout_p, const at::Tensor& rng_state) {
+  at::Tensor dsinks = at::zeros({vt.sinks.defined() ? Hq : 0}, q.options().dtype(at::kFloat));
+  p.dsinks = dsinks.data_ptr<float>();
+  if (dropout_p > 0.0) {
+    const at::Tensor rs = rng_state.cpu();
+    p.seed = uint64_t(rs.data_ptr<int64_t>()[0]);
+    p.offset = uint64_t(rs.data_ptr<int64_t>()[1]);
+  }
+  return dsinks;
+}
+
 void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                  const c10::optional<at::Tensor>& mask4, double dropout_p, bool causal,
                  c10::optional<double> scale) {
@@ -266,13 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
-  at::Tensor dsinks = at::zeros({vt.sinks.defined() ? Hq : 0}, q.options().dtype(at::kFloat));
-  p.dsinks = dsinks.data_ptr<float>();
-  if (dropout_p > 0.0) {
-    const at::Tensor rs = rng_state.cpu();
-    p.seed = uint64_t(rs.data_ptr<int64_t>()[0]);
-    p.offset = uint64_t(rs.data_ptr<int64_t>()[1]);
-  }
+  const at::Tensor dsinks = fill_backward(p, vt, Hq, q, dropout_p, rng_state);
   p.out = const_cast<void*>(o.data_ptr());
   p.o_sb = o.stride(0), p.o_sh = o.stride(1), p.o_sl = o.stride(2);
   p.lse = const_cast<float*>(logsumexp.data_ptr<float>());
@@ -516,13 +524,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
               softmax_scale);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(base, window_left, window_right, bottom_right, softcap, vt, false);
-  at::Tensor dsinks = at::zeros({vt.sinks.defined() ? Hq : 0}, q.options().dtype(at::kFloat));
-  base.dsinks = dsinks.data_ptr<float>();
-  if (dropout_p > 0.0) {
-    const at::Tensor rs = rng_state.cpu();
-    base.seed = uint64_t(rs.data_ptr<int64_t>()[0]);
-    base.offset = uint64_t(rs.data_ptr<int64_t>()[1]);
-  }
+  const at::Tensor dsinks = fill_backward(base, vt, Hq, q, dropout_p, rng_state);
   base.out = const_cast<void*>(o.data_ptr());
   base.o_sh = o.stride(1), base.o_sl = o.stride(0);
   base.lse = const_cast<float*>(lse.data_ptr<float>());

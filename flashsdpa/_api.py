@@ -6,7 +6,7 @@ scaled_dot_product_attention does, with the reason logged. `explain()` prints th
 """
 import torch
 
-from . import _C, _gpu, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
+from . import _C, _gpu, _nested, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
 from ._common import GPU_DEVICE_TYPES, decide
 from ._routing import is_enabled
 
@@ -254,6 +254,15 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     variants = _variants(window_size, softcap, alibi_slopes, sinks) or {}
     lines = ["flashsdpa.explain: " + _describe_call(*args, variants)]
+    if _nested.is_jagged(query):  # F.sdpa's jagged hook decides, before the dispatcher
+        lines.append("  F.scaled_dot_product_attention: " + (
+            "flashsdpa's varlen kernel over the packed values (flashsdpa/_nested.py)"
+            if not variants and _nested.takes(query, key, value, attn_mask, is_causal, enable_gqa)
+            else "PyTorch's jagged-layout SDPA (flashsdpa takes these calls only while enabled, "
+            "without a mask, with flash allowed, causal only over equal query / key lengths)"))
+        lines.append("  kernel: " + ("flashsdpa::flash_attn_varlen_fwd" if "varlen" in lines[-1]
+                                     else "PyTorch's"))
+        return "\n".join(lines)
     d = decide(*args, "direct", **variants)
     if d["invalid"]:
         lines.append(f"  invalid arguments, the call raises: {d['invalid']}")

@@ -20,13 +20,17 @@ def _ops_module():
     return ops
 
 
-def _takes(q, k, v, attn_mask, is_causal, enable_gqa):
-    """Whether the varlen kernel computes exactly what PyTorch would for these (B, H, j, D)
-    jagged tensors: the reasons it would not are listed in the README (Serving)."""
+def is_jagged(t):
     from torch.nested._internal.nested_tensor import NestedTensor
+    return isinstance(t, NestedTensor)
+
+
+def takes(q, k, v, attn_mask, is_causal, enable_gqa):
+    """Whether the varlen kernel computes exactly what PyTorch would for these (B, H, j, D)
+    jagged tensors, in the current routing state (the cases it declines: README, Serving)."""
     if not (_C.routing_enabled() and torch.backends.cuda.flash_sdp_enabled()):
         return False  # disabled, or sdpa_kernel(...) without FLASH_ATTENTION
-    if not all(isinstance(t, NestedTensor) for t in (q, k, v)) or attn_mask is not None:
+    if not all(is_jagged(t) for t in (q, k, v)) or attn_mask is not None:
         return False
     if not all(t.device.type == "cpu" and t.dtype == q.dtype and t.dim() == 4 and
                t._ragged_idx == 2 and t._lengths is None for t in (q, k, v)):
@@ -40,7 +44,7 @@ def _takes(q, k, v, attn_mask, is_causal, enable_gqa):
 
 def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
-    if not _takes(query, key, value, attn_mask, is_causal, enable_gqa):
+    if not takes(query, key, value, attn_mask, is_causal, enable_gqa):
         return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     from torch.nested._internal.nested_tensor import nested_view_from_values_offsets
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, j, H, D): values (total, H, D)

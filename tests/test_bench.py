@@ -12,6 +12,16 @@ sys.path.insert(0, BENCH)
 import bench_sdpa  # noqa: E402
 
 
+
+def rendered_readme(tmp_path, results, text="<!-- bench:begin -->\n<!-- bench:end -->\n"):
+    """A README holding `text`, after report.py --readme renders `results` into it."""
+    readme = tmp_path / "README.md"
+    readme.write_text(text)
+    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(results),
+                          "--readme", str(readme)], capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr
+    return readme.read_text()
+
 def test_visible_pairs_matches_a_mask_count():
     import torch
     for L, S in ((7, 7), (5, 9), (9, 5), (1, 4)):
@@ -58,13 +68,8 @@ def test_bench_tiny_run(tmp_path, mode):
     assert all(r["ms"] > 0 for r in data["rows"])
     assert (tmp_path / f"{mode}.csv").exists()
 
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
-    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"),
-                          str(tmp_path / f"{mode}.json"), "--readme", str(readme)],
-                         capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
-    text = readme.read_text()
+    text = rendered_readme(tmp_path, tmp_path / f"{mode}.json",
+                           "intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
     assert "old" not in text and "rest" in text and "| shape" in text
 
 
@@ -158,12 +163,7 @@ def test_bench_variants_tiny_run(tmp_path):
         if r["mode"] == "fwd":  # every peer that ran agreed with flashsdpa
             assert set(r["max_abs_diff"]) == set(r["ms"]) & set(bench_variants.PEERS)
             assert all(d <= 1e-4 for d in r["max_abs_diff"].values()), r
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
-    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(out), "--readme",
-                          str(readme)], capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
-    assert "| window: window_size=[64, 0]" in readme.read_text()
+    assert "| window: window_size=[64, 0]" in rendered_readme(tmp_path, out)
 
 
 def test_bench_serving_tiny_run(tmp_path):
@@ -184,9 +184,4 @@ def test_bench_serving_tiny_run(tmp_path):
             assert len(r["read_probes_gbs"]) == 2 and set(r["frac_read"]) == {
                 "flashsdpa", "flashsdpa paged", "flashsdpa fp8", "flashsdpa paged fp8"}
     assert set(rows[-1]["ms"]) == {"flashsdpa", "loop", "torch (padded)"}
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
-    rep = subprocess.run([sys.executable, os.path.join(BENCH, "report.py"), str(out), "--readme",
-                          str(readme)], capture_output=True, text=True, timeout=120)
-    assert rep.returncode == 0, rep.stderr
-    assert "| decode-batch:" in readme.read_text()
+    assert "| decode-batch:" in rendered_readme(tmp_path, out)

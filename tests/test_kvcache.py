@@ -125,18 +125,23 @@ def test_kvcache_append_writes_exactly_the_new_slots(block_size):
         (kc, table), (vc, _) = paged(kc, block_size), paged(vc, block_size)
     before_k, before_v = kc.clone(), vc.clone()
     call(q, kc, vc, kn, vn, kw, table)
-    want_k, want_v = before_k.clone(), before_v.clone()
+    # bit-exact, spare blocks' NaN included
+    assert torch.equal(kc.view(torch.int16), appended(before_k, kn, table, block_size).view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), appended(before_v, vn, table, block_size).view(torch.int16))
+
+
+def appended(cache, new, table, block_size):
+    """cache with the rows of `new` (B, n, ...) written where the append puts them: after each
+    sequence's SEQLENS tokens, through the block table when paged."""
+    want = cache.clone()
     for b, n in enumerate(SEQLENS):
-        for t in range(kn.shape[1]):
+        for t in range(new.shape[1]):
             pos = n + t
             if table is None:
-                want_k[b, pos], want_v[b, pos] = kn[b, t], vn[b, t]
+                want[b, pos] = new[b, t]
             else:
-                blk, row = table[b, pos // block_size], pos % block_size
-                want_k[blk, row], want_v[blk, row] = kn[b, t], vn[b, t]
-    # bit-exact, spare blocks' NaN included
-    assert torch.equal(kc.view(torch.int16), want_k.view(torch.int16))
-    assert torch.equal(vc.view(torch.int16), want_v.view(torch.int16))
+                want[table[b, pos // block_size], pos % block_size] = new[b, t]
+    return want
 
 
 def test_kvcache_without_new_tokens_and_whole_cache():
@@ -286,19 +291,11 @@ def test_kvcache_e4m3_append_stores_the_quantised_values(block_size):
     before_k, before_v = kc.clone(), vc.clone()
     flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn, vn, torch.tensor(SEQLENS, dtype=torch.int32),
                                       table, causal=True, k_scale=ks, v_scale=vs)
-    want_k, want_v = before_k.view(torch.uint8).clone(), before_v.view(torch.uint8).clone()
     kq, vq = quantize(kn, ks).view(torch.uint8), quantize(vn, vs).view(torch.uint8)
     assert kq[0, 0, 0, :2].tolist() == [0x7E, 0xFE]
-    for b, n in enumerate(SEQLENS):
-        for t in range(kn.shape[1]):
-            pos = n + t
-            if table is None:
-                want_k[b, pos], want_v[b, pos] = kq[b, t], vq[b, t]
-            else:
-                blk, row = table[b, pos // block_size], pos % block_size
-                want_k[blk, row], want_v[blk, row] = kq[b, t], vq[b, t]
-    assert torch.equal(kc.view(torch.uint8), want_k)
-    assert torch.equal(vc.view(torch.uint8), want_v)
+    u8 = torch.uint8
+    assert torch.equal(kc.view(u8), appended(before_k.view(u8), kq, table, block_size))
+    assert torch.equal(vc.view(u8), appended(before_v.view(u8), vq, table, block_size))
 
 
 def test_kvcache_e4m3_nan_in_a_visible_key_gives_nan():

@@ -87,7 +87,10 @@ def test_nested_sdpa_falls_back_where_the_kernel_does_not_apply():
         flashsdpa.disable()
         F.scaled_dot_product_attention(qt, kt, vt)
         assert counts()["fwd_tiles"] == 0
+        assert "PyTorch's jagged-layout SDPA" in flashsdpa.explain(qt, kt, vt)
         flashsdpa.enable()
+        assert "flashsdpa's varlen kernel" in flashsdpa.explain(qt, kt, vt)
+        assert "PyTorch's jagged" in flashsdpa.explain(qt, kt, vt, is_causal=True)
         got = F.scaled_dot_product_attention(qt, kt, vt)
         assert counts()["fwd_tiles"] > 0
     torch.testing.assert_close(got.values(), want.values(), atol=1e-5, rtol=1e-5)

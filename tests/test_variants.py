@@ -130,16 +130,24 @@ def check(q, k, v, kw, dtype, what, run=ours_sdpa, bottom_right=False, backward=
     assert_within_rule(out, base.detach(), ref.detach(), dtype, f"{what} out")
     if not backward:
         return out
+    assert_grads_within_rule(out, ref, base, (leaves, same, refs), dtype, what,
+                             (s_leaf, s_same, r_sink) if sinks is not None else None)
+    return out
+
+
+def assert_grads_within_rule(out, ref, base, qkv, dtype, what, sinks=None):
+    """Backward from one random gradient through ours (out), the fp64 reference and PyTorch's
+    same-dtype computation (base); qkv = (our leaves, PyTorch's, the reference's), sinks the
+    same triple or None: every gradient within the error rule."""
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
     out.backward(g)
     ref.backward(g.double())
     base.backward(g)
-    for name, a, b, r in zip("qkv", leaves, same, refs):
+    for name, a, b, r in zip("qkv", *qkv):
         assert_within_rule(a.grad, b.grad, r.grad, dtype, f"{what} d{name}")
     if sinks is not None:
-        assert_within_rule(s_leaf.grad, s_same.grad.float(), r_sink.grad, torch.float32,
-                           f"{what} dsinks")
-    return out
+        a, b, r = sinks
+        assert_within_rule(a.grad, b.grad.float(), r.grad, torch.float32, f"{what} dsinks")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)

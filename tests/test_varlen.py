@@ -9,7 +9,7 @@ import torch
 import flashsdpa
 from flashsdpa import _testing
 from conftest import DTYPE_IDS, assert_within_rule, num_threads
-from test_variants import assert_kernel_ran, reference
+from test_variants import assert_grads_within_rule, assert_kernel_ran, reference
 
 # name -> (query lengths, key lengths, Hq, Hkv, D, Dv, options)
 CASES = {
@@ -93,15 +93,8 @@ def check_packed(q, k, v, cu_q, cu_k, kw, dtype, what, run=ours, keeps=None, p=0
     assert torch.equal(torch.isneginf(lse), empty), f"{what}: lse -inf rows differ"
     torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty].detach(), atol=2e-2 if
                                dtype != torch.float32 else 1e-5, rtol=1e-3)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
-    out.backward(g)
-    ref.backward(g.double())
-    base.backward(g)
-    for name, a, b, r in zip("qkv", leaves, same, refs):
-        assert_within_rule(a.grad, b.grad, r.grad, dtype, f"{what} d{name}")
-    if sinks is not None:
-        assert_within_rule(s_leaf.grad, s_same.grad.float(), r_sink.grad, torch.float32,
-                           f"{what} dsinks")
+    assert_grads_within_rule(out, ref, base, (leaves, same, refs), dtype, what,
+                             (s_leaf, s_same, r_sink) if sinks is not None else None)
     return out
 
 

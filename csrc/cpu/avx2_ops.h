@@ -26,16 +26,17 @@ inline __m256 load8(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// e4m3 bytes -> the fp16 bits of e4m3_to_f16_scaled (scalar.h), 8 (xmm) or 16 (ymm) lanes.
-inline __m128i e4m3_f16_bits(__m128i w) {  // w: 8 bytes zero-extended to 16-bit lanes
-  const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7F));
-  const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)), _mm_set1_epi16(0x7E00));
-  const __m128i sign = _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8);
-  return _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(mag, 7)), nan);
-}
-inline __m256 load8(const e4m3_t* p) {  // the value x 2^-8 (see e4m3_t)
+// 8 e4m3 bytes -> the values x 2^-8 (see e4m3_t). Each byte is unpacked into the high half of
+// a 16-bit lane; an arithmetic shift right by 1 puts the magnitude in the fp16 position and
+// copies the sign into bit 14, which the AND clears; the NaN magnitude (0x3F80 there) is the
+// only one that carries into bit 14 when 0x80 is added, and OR-ing that bit back makes the
+// exponent all ones.
+inline __m256 load8(const e4m3_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtph_ps(e4m3_f16_bits(_mm_cvtepu8_epi16(b)));
+  const __m128i w = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
+  const __m128i x = _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(int16_t(0xBFFF)));
+  const __m128i t = _mm_and_si128(_mm_add_epi16(x, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000));
+  return _mm256_cvtph_ps(_mm_or_si128(x, t));
 }
 
 // n < 8 elements, the rest of the vector zero.

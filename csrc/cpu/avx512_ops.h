@@ -22,13 +22,17 @@ inline __m512 load16(const bf16_t* p) {
 inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 e4m3_widen16(__m128i b) {  // 16 e4m3 bytes -> the values x 2^-8 (see e4m3_t)
-  const __m256i w = _mm256_cvtepu8_epi16(b);
-  const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7F));
-  const __m256i nan =
-      _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7E00));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8);
-  return _mm512_cvtph_ps(_mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(mag, 7)), nan));
+// 16 e4m3 bytes -> the values x 2^-8 (see e4m3_t). With the byte in a lane's high half, an
+// arithmetic shift right by 1 puts the magnitude in the fp16 position and copies the sign into
+// bit 14, which the AND clears; the NaN magnitude (0x3F80 there) is the only one that carries
+// into bit 14 when 0x80 is added, and OR-ing that bit back makes the exponent all ones.
+inline __m512 e4m3_widen16(__m128i b) {
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  const __m256i x = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
+  const __m256i t = _mm256_add_epi16(x, _mm256_set1_epi16(0x80));
+  // x | (t & 0x4000): vpternlog's truth table for A | (B & C)
+  const __m256i h = _mm256_ternarylogic_epi32(x, t, _mm256_set1_epi16(0x4000), 0xF8);
+  return _mm512_cvtph_ps(h);
 }
 inline __m512 load16(const e4m3_t* p) {
   return e4m3_widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -258,6 +262,67 @@ struct Avx512Ops : Avx2Ops {
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
     decode_qk_rows<4>(k, ldk, nk, D, q, ldq, M, s, lds);
+  }
+
+  // Decode Q K^T over an e4m3 cache: its widening costs more than the FMAs it feeds, so 16 dims
+  // are widened at a time (zmm) instead of the 8 of qk_4keys: 4 keys x R query rows, 4R zmm
+  // accumulators, each reduced to its dot product by a fold and hadd tree.
+  template <int R>
+  static inline void qk_4keys_e4m3(const e4m3_t* k0, int64_t ldk, int D, const float* q, int ldq,
+                                   float* s, int lds) {
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
+    const auto step = [&](int d, int t) {
+      __m512 x[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+        x[u] = t == 16 ? load16(k0 + u * ldk + d) : load16_partial(k0 + u * ldk + d, t);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const float* qi = q + int64_t(i) * ldq + d;
+        const __m512 qv = t == 16 ? _mm512_loadu_ps(qi) : _mm512_maskz_loadu_ps(tail_mask16(t), qi);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_fmadd_ps(qv, x[u], a[i][u]);
+      }
+    };
+    int d = 0;
+    for (; d + 16 <= D; d += 16) step(d, 16);
+    if (d < D) step(d, D - d);
+    const auto fold = [](__m512 v) {
+      return _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    };
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[i][0]), fold(a[i][1])),
+                                      _mm256_hadd_ps(fold(a[i][2]), fold(a[i][3])));
+      _mm_storeu_ps(s + int64_t(i) * lds,
+                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    }
+  }
+
+  static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
+                        int M, float* s, int lds) {
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) {
+      const e4m3_t* k0 = k + j * ldk;
+      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
+      int r = 0;
+      for (; r + 4 <= M; r += 4)
+        qk_4keys_e4m3<4>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      const float* qr = q + int64_t(r) * ldq;
+      float* sr = s + int64_t(r) * lds + j;
+      switch (M - r) {  // the last rows, fewer than 4
+        case 3: qk_4keys_e4m3<3>(k0, ldk, D, qr, ldq, sr, lds); break;
+        case 2: qk_4keys_e4m3<2>(k0, ldk, D, qr, ldq, sr, lds); break;
+        case 1: qk_4keys_e4m3<1>(k0, ldk, D, qr, ldq, sr, lds); break;
+        default: break;
+      }
+    }
+    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // Decode P V with zmm accumulators: R rows x C vectors of 16 dims per pass, so a pass reads

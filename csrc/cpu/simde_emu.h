@@ -47,11 +47,11 @@ inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* mem) {
     if ((k >> i) & 1) r.f32[i] = m[i];
   return simde__m512_from_private(r);
 }
-// N 16-bit lanes of a vector type V (simde__m256i: 16, simde__m512i: 32)
-template <class V, int N, class M>
-inline V maskz_loadu_epi16(M k, const void* mem) {
-  uint16_t v[N] = {};
-  const uint16_t* m = static_cast<const uint16_t*>(mem);
+// N lanes of type E (uint8_t, uint16_t) of a vector type V
+template <class E, class V, int N, class M>
+inline V maskz_loadu_lanes(M k, const void* mem) {
+  E v[N] = {};
+  const E* m = static_cast<const E*>(mem);
   for (int i = 0; i < N; ++i)
     if ((k >> i) & 1) v[i] = m[i];
   V r;
@@ -117,10 +117,14 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm512_cvtph_ps(a) flashsdpa::emu::cvtph_ps(a)
 #undef _mm512_maskz_loadu_ps
 #define _mm512_maskz_loadu_ps(k, p) flashsdpa::emu::maskz_loadu_ps(k, p)
+#undef _mm_maskz_loadu_epi8
+#define _mm_maskz_loadu_epi8(k, p) flashsdpa::emu::maskz_loadu_lanes<uint8_t, simde__m128i, 16>(k, p)
 #undef _mm256_maskz_loadu_epi16
-#define _mm256_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16<simde__m256i, 16>(k, p)
+#define _mm256_maskz_loadu_epi16(k, p) \
+  flashsdpa::emu::maskz_loadu_lanes<uint16_t, simde__m256i, 16>(k, p)
 #undef _mm512_maskz_loadu_epi16
-#define _mm512_maskz_loadu_epi16(k, p) flashsdpa::emu::maskz_loadu_epi16<simde__m512i, 32>(k, p)
+#define _mm512_maskz_loadu_epi16(k, p) \
+  flashsdpa::emu::maskz_loadu_lanes<uint16_t, simde__m512i, 32>(k, p)
 #undef _mm512_mask_storeu_ps
 #define _mm512_mask_storeu_ps(p, k, a) flashsdpa::emu::mask_storeu_ps(p, k, a)
 #undef _mm256_mask_storeu_epi16

@@ -65,8 +65,8 @@ void choose_blocks(const AttnParams& p, const CpuTier& tier, int bq_max, int for
 
 KernelPolicy base_policy(const AttnParams& p) {
   KernelPolicy pol{};
-  pol.isa = cpu::selected_isa(p.dtype);
-  pol.tier = &cpu::selected_tier(p.dtype);
+  pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3);
+  pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3);
   return pol;
 }
 

@@ -258,19 +258,23 @@ def test_kvcache_e4m3_against_reference(tier, variant, layout, lq, dtype):
                                else 1e-5, rtol=1e-3)
 
 
-def test_kvcache_e4m3_widening_is_exact_for_every_byte(tier):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_kvcache_e4m3_widening_is_exact_for_every_byte(tier, dtype):
     """One key whose value row holds all 256 bytes: the output is that row, widened and scaled
-    exactly as PyTorch converts float8_e4m3fn (the two NaN bytes give NaN)."""
+    exactly as PyTorch converts float8_e4m3fn (the two NaN bytes give NaN), with fp32 queries
+    (widened to fp32) and bf16 ones (the bf16 tiers' byte tables)."""
     v8 = torch.arange(256, dtype=torch.uint8).view(E4M3).view(1, 1, 1, 256)
     k8 = torch.zeros(1, 1, 1, 16, dtype=E4M3)
-    q = torch.randn(1, 1, 1, 16)
+    q = torch.randn(1, 1, 1, 16).to(dtype)
     for v_scale in (1.0, 0.37):
-        out = flashsdpa.flash_attn_with_kvcache(q, k8, v8, k_scale=2.0, v_scale=v_scale)
-        want = v8.float() * torch.tensor(v_scale)
+        with _testing.counting() as counts:
+            out = flashsdpa.flash_attn_with_kvcache(q, k8, v8, k_scale=2.0, v_scale=v_scale)
+            assert_kernel_ran(counts, tier, dtype)
+        want = (v8.float() * torch.tensor(v_scale)).to(dtype)
         torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
     # K: each score is q . k exactly, which the lse of a single key is
     k8 = torch.arange(128, dtype=torch.uint8).view(E4M3).view(128, 1, 1, 1)  # every magnitude
-    q = torch.ones(128, 1, 1, 1)
+    q = torch.ones(128, 1, 1, 1, dtype=dtype)
     _, lse = flashsdpa.flash_attn_with_kvcache(q, k8, torch.zeros(128, 1, 1, 4, dtype=E4M3),
                                                k_scale=0.5, return_lse=True, softmax_scale=1.0)
     want = (k8.float() * 0.5).view(128, 1, 1)

@@ -260,17 +260,19 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
            _mm512_maskz_loadu_epi16(m, k0 + 3 * ldk + d), _mm512_maskz_loadu_epi16(m, q0 + d),
            kTwo ? _mm512_maskz_loadu_epi16(m, q1 + d) : _mm512_setzero_si512());
     }
+    _mm_storeu_ps(s0, reduce4(a0, a1, a2, a3));
+    if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
+  }
+
+  // The four sums of x0 .. x3 (each folded to 8 lanes, then a hadd tree).
+  static inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
     const auto fold = [](__m512 x) {
       return _mm256_add_ps(_mm512_castps512_ps256(x),
                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
     };
-    const auto reduce4 = [&](__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(x0), fold(x1)),
-                                      _mm256_hadd_ps(fold(x2), fold(x3)));
-      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    };
-    _mm_storeu_ps(s0, reduce4(a0, a1, a2, a3));
-    if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(x0), fold(x1)),
+                                    _mm256_hadd_ps(fold(x2), fold(x3)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
 
   template <class T>
@@ -330,10 +332,10 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // With `prefetch`, the rows nk keys on (the next kPvKeys chunk of a 512-key decode block, or
   // the next block) are prefetched one line per PFB bytes (pv_prefetch_bytes), as the widening
   // path does.
-  template <int R, int C, int PFB>
-  static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
-                              int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
-    __m512 lo[R][C], hi[R][C];
+  // The accumulators of R rows x C chunks from d0, in unpack order (and back).
+  template <int R, int C>
+  static inline void load_pair_acc(const float* acc, int ldacc, int d0, __m512 (*lo)[C],
+                                   __m512 (*hi)[C]) {
     const __m512i il = pv_idx_lo(), ih = pv_idx_hi();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -344,24 +346,55 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
         lo[r][c] = _mm512_permutex2var_ps(n0, il, n1);
         hi[r][c] = _mm512_permutex2var_ps(n0, ih, n1);
       }
-    const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
-      __m512i ul[C], uh[C];
+  }
+  template <int R, int C>
+  static inline void store_pair_acc(float* acc, int ldacc, int d0, __m512 (*lo)[C],
+                                    __m512 (*hi)[C]) {
+    const __m512i o0 = pv_idx_out0(), o1 = pv_idx_out1();
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const __m512i x = _mm512_loadu_si512(va + 32 * c);
-        const __m512i y = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
-        ul[c] = _mm512_unpacklo_epi16(x, y);
-        uh[c] = _mm512_unpackhi_epi16(x, y);
+        float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
+        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], o0, hi[r][c]));
+        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], o1, hi[r][c]));
       }
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pw[int64_t(r) * ldpw + jp]));
+  }
+  // One pair of keys: x[c] / y[c] the bf16 words of the two V rows' chunk c; pwj[r * ldpw] the
+  // bf16 pair of row r's P.
+  template <int R, int C>
+  static inline void pair_step(const __m512i* x, const __m512i* y, const uint32_t* pwj, int ldpw,
+                               __m512 (*lo)[C], __m512 (*hi)[C]) {
+    __m512i ul[C], uh[C];
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, (__m512bh)ul[c]);
-          hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, (__m512bh)uh[c]);
-        }
+    for (int c = 0; c < C; ++c) {
+      ul[c] = _mm512_unpacklo_epi16(x[c], y[c]);
+      uh[c] = _mm512_unpackhi_epi16(x[c], y[c]);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pwj[int64_t(r) * ldpw]));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        lo[r][c] = _mm512_dpbf16_ps(lo[r][c], w, (__m512bh)ul[c]);
+        hi[r][c] = _mm512_dpbf16_ps(hi[r][c], w, (__m512bh)uh[c]);
       }
+    }
+  }
+
+  template <int R, int C, int PFB>
+  static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
+                              int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
+    __m512 lo[R][C], hi[R][C];
+    load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
+    const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
+      __m512i x[C], y[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        x[c] = _mm512_loadu_si512(va + 32 * c);
+        y[c] = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+      }
+      pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
     };
     // passes shorter than the stride prefetch only where a stride starts
     constexpr int kStride = PFB / 2;  // elements
@@ -378,15 +411,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       step(va, va + ldv, jp);
     }
     if (nk & 1) step(v + int64_t(nk - 1) * ldv + d0, nullptr, np);  // the last key: pair (V, 0)
-    const __m512i o0 = pv_idx_out0(), o1 = pv_idx_out1();
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
-        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], o0, hi[r][c]));
-        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], o1, hi[r][c]));
-      }
+    store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }
 
   // Rows in groups of up to 6; per group the dims in chunks of 128 (one or two rows: 8 or 16
@@ -405,52 +430,232 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
 
   static constexpr int kPvKeys = 256;  // keys per pass (the P pairs of 6 rows on the stack)
 
+  // P V over pairs of keys, kPvKeys keys per pass: P rows to bf16 pairs, then per group of up
+  // to 6 rows group(rows, V rows of the pass, keys, pw, ldpw, acc rows, prefetch) for the dims
+  // in whole 32s; the last dims, fewer than 32, widened against the fp32 P.
+  template <class T, class Group>
+  static void decode_pv_pairs(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
+                              int M, float* acc, int ldacc, Group&& group) {
+    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+    const int d32 = Dv & ~31;
+    constexpr int ldpw = kPvKeys / 2 + 8;
+    alignas(64) uint32_t pw[6 * ldpw];
+    for (int j0 = 0; j0 < nk; j0 += kPvKeys) {
+      const int n = nk - j0 < kPvKeys ? nk - j0 : kPvKeys;
+      for (int r = 0; r < M; r += 6) {
+        const int R = M - r < 6 ? M - r : 6;
+        for (int i = 0; i < R; ++i) {  // P rows -> bf16, an odd count padded with a 0
+          const float* pr = p + int64_t(r + i) * ldp + j0;
+          uint16_t* d = reinterpret_cast<uint16_t*>(pw + i * ldpw);
+          for (int j = 0; j < n; j += 16) {
+            const int t = n - j < 16 ? n - j : 16;
+            const __m512 x = _mm512_maskz_loadu_ps(__mmask16((1u << t) - 1u), pr + j);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), cvt16_bf16(x));
+          }
+        }
+        with_rows<6>(R, [&](auto rows) {
+          group(rows, v + int64_t(j0) * ldv, n, pw, ldpw, acc + int64_t(r) * ldacc, r == 0);
+        });
+      }
+      if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
+        Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,
+                             acc + d32, ldacc);
+    }
+  }
+
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
                         float* acc, int ldacc) {
     if constexpr (!std::is_same<T, bf16_t>::value) {  // other dtypes never run on this tier
       Avx512Ops::decode_pv(v, ldv, nk, Dv, p, ldp, M, acc, ldacc);
     } else {
-      prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
-      const uint16_t* vb = reinterpret_cast<const uint16_t*>(v);
-      const int d32 = Dv & ~31;
-      constexpr int ldpw = kPvKeys / 2 + 8;
-      alignas(64) uint32_t pw[6 * ldpw];
-      for (int j0 = 0; j0 < nk; j0 += kPvKeys) {
-        const int n = nk - j0 < kPvKeys ? nk - j0 : kPvKeys;
-        for (int r = 0; r < M; r += 6) {
-          const int R = M - r < 6 ? M - r : 6;
-          for (int i = 0; i < R; ++i) {  // P rows -> bf16, an odd count padded with a 0
-            const float* pr = p + int64_t(r + i) * ldp + j0;
-            uint16_t* d = reinterpret_cast<uint16_t*>(pw + i * ldpw);
-            for (int j = 0; j < n; j += 16) {
-              const int t = n - j < 16 ? n - j : 16;
-              const __m512 x = _mm512_maskz_loadu_ps(__mmask16((1u << t) - 1u), pr + j);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + j), cvt16_bf16(x));
-            }
-          }
-          const uint16_t* vj = vb + int64_t(j0) * ldv;
-          float* ar = acc + int64_t(r) * ldacc;
-          const bool pf = r == 0;
-          with_rows<6>(R, [&](auto rows) {
-            constexpr int kR = decltype(rows)::value;
-            pv_group<kR, pv_prefetch_bytes(kR)>(vj, ldv, n, Dv, pw, ldpw, ar, ldacc, pf);
-          });
-        }
-        if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
-          Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,
-                               acc + d32, ldacc);
-      }
+      decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc,
+                      [&](auto rows, const bf16_t* vj, int n, const uint32_t* pw, int ldpw,
+                          float* ar, bool pf) {
+                        constexpr int kR = decltype(rows)::value;
+                        pv_group<kR, pv_prefetch_bytes(kR)>(
+                            reinterpret_cast<const uint16_t*>(vj), ldv, n, Dv, pw, ldpw, ar,
+                            ldacc, pf);
+                      });
     }
   }
 };
 
-// bf16 K / V: the bf16 dot-product kernels; an e4m3 cache is widened to fp32 (vdpbf16ps treats
-// bf16 subnormals as 0, and e4m3's subnormals would land there), so it takes the fp32 trait.
+// ---- float8_e4m3fn K / V on vdpbf16ps ------------------------------------------------------
+// Widening e4m3 to fp32 costs more vector work than the FMAs it feeds; here bytes become bf16
+// (exact: e4m3 has 3 mantissa bits, and every e4m3 value / kE4m3Unit is a bf16 normal, which
+// vdpbf16ps does not flush) by two 128-entry byte tables, vpermi2b on the magnitude giving the
+// high and the low byte, the sign OR-ed back: NaN bytes give NaN, subnormals are exact. A
+// vpermb first orders 64 bytes so that unpacking the two byte vectors gives dims 0-31 and
+// 32-63 in order. Then Q . K and P V run as the bf16 cache's kernels do, Q and P in bf16.
+// AVX512_VBMI is not part of this tier's flags (a CPU with AVX512-BF16 but not VBMI, Cooper
+// Lake, would run its code): these functions alone are compiled for it, and selected_isa keeps
+// e4m3 calls off this tier where the CPU lacks it. The emulated build needs no target (SIMDe).
+struct E4m3Tables {
+  alignas(64) uint8_t hi[128], lo[128], perm[64];
+  E4m3Tables() {
+    for (int m = 0; m < 128; ++m) {
+      const uint32_t bits = f32_bits(to_f32(e4m3_t{uint8_t(m)})) >> 16;  // exact (or NaN)
+      hi[m] = uint8_t(bits >> 8), lo[m] = uint8_t(bits);
+    }
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 8; ++i) perm[16 * k + i] = uint8_t(8 * k + i), perm[16 * k + 8 + i] = uint8_t(32 + 8 * k + i);
+  }
+  static const E4m3Tables& get() {
+    static const E4m3Tables t;
+    return t;
+  }
+};
+
+#if !defined(FLASHSDPA_EMULATE)
+#pragma GCC push_options
+#pragma GCC target("avx512vbmi")
+#endif
+struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
+  FLASHSDPA_TRAIT_CAPS(Avx512Bf16E4m3Ops, /*scale_in_a=*/false, /*prep_a=*/false,
+                       /*inner_pack=*/1, /*fused_exp=*/false, /*transposed_s=*/false)
+
+  struct Lut {
+    __m512i hi0, hi1, lo0, lo1, perm;
+    Lut() {
+      const E4m3Tables& t = E4m3Tables::get();
+      hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
+      lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
+      perm = _mm512_load_si512(t.perm);
+    }
+    // 64 bytes (n < 64: the first n, the rest read as 0) -> bf16 dims 0-31 and 32-63
+    inline void widen(const e4m3_t* p, int n, __m512i* out0, __m512i* out1) const {
+      const __m512i raw = n >= 64 ? _mm512_loadu_si512(p)
+                                  : _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, p);
+      const __m512i b = _mm512_permutexvar_epi8(perm, raw);
+      __m512i h = _mm512_permutex2var_epi8(hi0, b, hi1);
+      const __m512i l = _mm512_permutex2var_epi8(lo0, b, lo1);
+      h = _mm512_ternarylogic_epi32(h, b, _mm512_set1_epi8(char(0x80)), 0xF8);  // h | (b & 0x80)
+      *out0 = _mm512_unpacklo_epi8(l, h);
+      *out1 = _mm512_unpackhi_epi8(l, h);
+    }
+  };
+
+  // s[r][j .. j+3] for 4 keys x R rows (bf16 Q words), 64 dims per step, 4R accumulators.
+  template <int R>
+  static inline void qk_4keys(const Lut& t, const e4m3_t* k0, int64_t ldk, int D, const float* q,
+                              int ldq, float* s, int lds) {
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 64) {
+      const int n = D - d < 64 ? D - d : 64;
+      __m512i k[4][2];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) t.widen(k0 + u * ldk + d, n, &k[u][0], &k[u][1]);
+      const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1u;
+      const __mmask32 m1 = n >= 64 ? ~0u : (n > 32 ? (1u << (n - 32)) - 1u : 0u);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const uint16_t* qi = bf16_words(q + int64_t(i) * ldq) + d;
+        const __m512i q0 = _mm512_maskz_loadu_epi16(m0, qi), q1 = _mm512_maskz_loadu_epi16(m1, qi + 32);
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; ++u) {
+          a[i][u] = _mm512_dpbf16_ps(a[i][u], (__m512bh)q0, (__m512bh)k[u][0]);
+          a[i][u] = _mm512_dpbf16_ps(a[i][u], (__m512bh)q1, (__m512bh)k[u][1]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) _mm_storeu_ps(s + int64_t(i) * lds, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
+  }
+
+  static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
+                        int M, float* s, int lds) {
+    const Lut t;
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) {
+      const e4m3_t* k0 = k + j * ldk;
+      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
+      int r = 0;
+      for (; r + 4 <= M; r += 4)
+        qk_4keys<4>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      const float* qr = q + int64_t(r) * ldq;
+      float* sr = s + int64_t(r) * lds + j;
+      switch (M - r) {  // the last rows, fewer than 4
+        case 3: qk_4keys<3>(t, k0, ldk, D, qr, ldq, sr, lds); break;
+        case 2: qk_4keys<2>(t, k0, ldk, D, qr, ldq, sr, lds); break;
+        case 1: qk_4keys<1>(t, k0, ldk, D, qr, ldq, sr, lds); break;
+        default: break;
+      }
+    }
+    for (; j < nk; ++j) {  // the last keys
+      const e4m3_t* kj = k + j * ldk;
+      for (int r = 0; r < M; ++r) {
+        const uint16_t* qr = bf16_words(q + int64_t(r) * ldq);
+        float sum = 0.0f;
+        for (int d = 0; d < D; ++d) sum += bf16_to_f32(qr[d]) * to_f32(kj[d]);
+        s[int64_t(r) * lds + j] = sum;
+      }
+    }
+  }
+
+  // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), V widened 64 dims at a
+  // time: R rows x C chunks of 32 dims from d0 (C = 1: the chunk's 32 bytes only).
+  template <int R, int C>
+  static inline void pv_pairs(const Lut& t, const e4m3_t* v, int64_t ldv, int nk,
+                              const uint32_t* pw, int ldpw, float* acc, int ldacc, int d0,
+                              bool prefetch) {
+    __m512 lo[R][C], hi[R][C];
+    load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
+    const auto widen = [&](const e4m3_t* row, __m512i* x) {
+      if (!row) {
+        for (int c = 0; c < C; ++c) x[c] = _mm512_setzero_si512();
+        return;
+      }
+      __m512i spare;
+#pragma GCC unroll 2
+      for (int c = 0; c < C; c += 2) t.widen(row + 32 * c, C == 1 ? 32 : 64, &x[c], C == 1 ? &spare : &x[c + 1]);
+    };
+    const int np = (nk + 1) / 2;
+    for (int jp = 0; jp < np; ++jp) {
+      const e4m3_t* va = v + int64_t(2 * jp) * ldv + d0;
+      const e4m3_t* vb = 2 * jp + 1 < nk ? va + ldv : nullptr;  // the last key: pair (V, 0)
+      if (prefetch)
+        for (int u = 0; u < 32 * C; u += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + u), _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + u), _MM_HINT_T1);
+        }
+      __m512i x[C], y[C];
+      widen(va, x);
+      widen(vb, y);
+      pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
+    }
+    store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
+  }
+
+  static void decode_pv(const e4m3_t* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
+                        int M, float* acc, int ldacc) {
+    const Lut t;
+    decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, [&](auto rows, const e4m3_t* vj, int n,
+                                                               const uint32_t* pw, int ldpw,
+                                                               float* ar, bool pf) {
+      constexpr int kR = decltype(rows)::value;
+      constexpr int C = kR <= 2 ? 4 : 2;
+      const int d32 = Dv & ~31;
+      int d0 = 0;
+      for (; d0 + 32 * C <= d32; d0 += 32 * C)
+        pv_pairs<kR, C>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, pf);
+      for (; d0 < d32; d0 += 32) pv_pairs<kR, 1>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, pf);
+    });
+  }
+};
+#if !defined(FLASHSDPA_EMULATE)
+#pragma GCC pop_options
+#endif
+
+// bf16 K / V: the bf16 dot-product kernels; e4m3: the table-widening ones above.
 template <class KV>
 struct DecodeOpsOf<Avx512Bf16Ops, KV> {
-  using type =
-      typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Ops, Avx512Bf16DecodeOps>::type;
+  using type = typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Bf16E4m3Ops,
+                                         Avx512Bf16DecodeOps>::type;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -11,8 +11,9 @@
 //   * K and V rows are read in place (any row stride: a padded cache view is never copied),
 //     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv.
 //     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
-//     what its widening leaves out) go into the query rows for K and into the partials for V,
-//     both linear, so the kernels never see them.
+//     what its widening leaves out) go where the softmax scale goes for K (the query rows, or
+//     the scores of traits that keep Q unscaled) and into the partials for V, all linear, so
+//     the kernels never see them.
 // Splits depend on the shape only, so results do not depend on the thread count.
 #pragma once
 #include <cstring>
@@ -165,10 +166,13 @@ struct FlashDecode {
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
 
+    float s_mul_of[kMaxItemHeads];  // per head of the item: s_mul with its K factor, if there
+    for (int e = 0; e < nh; ++e)
+      s_mul_of[e] = caps<Ops>().scale_in_a ? s_mul : s_mul * kv_factor(p.k_scale, p.k_scale_sh, hk0 + e);
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
-      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
-                          q_mul * kv_factor(p.k_scale, p.k_scale_sh, hk));
+      const float kf = caps<Ops>().scale_in_a ? kv_factor(p.k_scale, p.k_scale_sh, hk) : 1.0f;
+      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq, q_mul * kf);
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
@@ -197,7 +201,7 @@ struct FlashDecode {
             madd = L.mask + er * L.lds;
             mask_row_log2(p, b, h, i, j0, nk, madd);
           }
-          RowScore rs = row_score(p, b, h, i, j0, s_mul, madd);
+          RowScore rs = row_score(p, b, h, i, j0, s_mul_of[e], madd);
           rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
           any[e] |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
                                             L.acc + er * L.ldacc, int(p.Dv));

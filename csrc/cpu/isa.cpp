@@ -129,6 +129,7 @@ RawCpuid read_cpuid() {
   if (r.max_leaf >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
     r.leaf7_ebx = b;
+    r.leaf7_ecx = c;
     r.leaf7_edx = d;
     const unsigned max_sub = a;
     if (max_sub >= 1) {
@@ -156,7 +157,7 @@ CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
   const bool osxsave = bit(r.leaf1_ecx, kOsxsaveBit);
   const auto word = [&](uint64_t w, uint32_t min_leaf) { return r.max_leaf >= min_leaf ? w : 0; };
   const uint64_t leaf1_ecx = r.leaf1_ecx, leaf7_ebx = word(r.leaf7_ebx, 7),
-                 leaf7_edx = word(r.leaf7_edx, 7), leaf7_1_eax = word(r.leaf7_1_eax, 7);
+                 leaf7_ecx = word(r.leaf7_ecx, 7), leaf7_edx = word(r.leaf7_edx, 7), leaf7_1_eax = word(r.leaf7_1_eax, 7);
 #define FLASHSDPA_CPU_FEATURE(name, w, b) \
   if (bit(w, b)) f.bits |= feature_bit::name;
 #define FLASHSDPA_OS_FEATURE(name, mask) \
@@ -240,20 +241,23 @@ bool emulated_tier_active(DType dt) {
   return e >= 0 && (!kTiers[e].bf16_only || dt == DType::BF16);
 }
 
-Isa selected_isa(DType dt) {
+Isa selected_isa(DType dt, bool kv_e4m3) {
   if (emulated_tier_active(dt)) return Isa(g_emulated.load());
   const CpuFeatures& f = host_features();
   for (int i = int(isa_cap()); i > 0; --i) {
     if (!f.can_run[i] || !tier_supports_dtype(Isa(i), dt)) continue;
     if (Isa(i) == Isa::amx && !amx_usable()) continue;
+    if (kv_e4m3 && (Isa(i) == Isa::avx512_bf16 || Isa(i) == Isa::amx) &&
+        !f.has(Feature::avx512_vbmi))
+      continue;  // (Avx512Bf16E4m3Ops' byte tables)
     return Isa(i);
   }
   return Isa::portable;
 }
 
-const CpuTier& selected_tier(DType dt) {
+const CpuTier& selected_tier(DType dt, bool kv_e4m3) {
   if (emulated_tier_active(dt)) return *emulated_tier(Isa(g_emulated.load()));
-  return *built_tier(selected_isa(dt));
+  return *built_tier(selected_isa(dt, kv_e4m3));
 }
 
 }  // namespace cpu

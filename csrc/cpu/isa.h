@@ -35,6 +35,7 @@ struct RawCpuid {
   uint32_t max_leaf = 0;
   uint32_t leaf1_ecx = 0;    // OSXSAVE is bit 27
   uint32_t leaf7_ebx = 0;
+  uint32_t leaf7_ecx = 0;
   uint32_t leaf7_edx = 0;
   uint32_t leaf7_1_eax = 0;
   uint64_t xcr0 = 0;         // valid only when OSXSAVE is set
@@ -43,7 +44,7 @@ struct RawCpuid {
 
 // RawCpuid's fields, as a list (module.cpp reports them and reads fake ones).
 #define FLASHSDPA_RAW_CPUID_FIELDS(X) \
-  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted)
+  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted)
 
 struct CpuFeatures {
   bool x86 = false;
@@ -89,9 +90,10 @@ Isa isa_cap();
 bool isa_cap_is_set();
 
 // The tier that runs for dtype dt: the highest built tier <= cap that the host can run and that
-// implements dt. Never null (portable is always built).
-Isa selected_isa(DType dt);
-const CpuTier& selected_tier(DType dt);
+// implements dt (with kv_e4m3, a float8_e4m3fn KV cache: the bf16 tiers read one with
+// AVX512_VBMI byte tables, so they need that too). Never null (portable is always built).
+Isa selected_isa(DType dt, bool kv_e4m3 = false);
+const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false);
 
 // Test hook: run the emulated build of a tier for the dtypes it implements, whatever the CPU;
 // the other dtypes keep the normal choice. Throws if that emulation is not compiled in.

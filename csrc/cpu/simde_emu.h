@@ -119,6 +119,8 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm512_maskz_loadu_ps(k, p) flashsdpa::emu::maskz_loadu_ps(k, p)
 #undef _mm_maskz_loadu_epi8
 #define _mm_maskz_loadu_epi8(k, p) flashsdpa::emu::maskz_loadu_lanes<uint8_t, simde__m128i, 16>(k, p)
+#undef _mm512_maskz_loadu_epi8
+#define _mm512_maskz_loadu_epi8(k, p) flashsdpa::emu::maskz_loadu_lanes<uint8_t, simde__m512i, 64>(k, p)
 #undef _mm256_maskz_loadu_epi16
 #define _mm256_maskz_loadu_epi16(k, p) \
   flashsdpa::emu::maskz_loadu_lanes<uint16_t, simde__m256i, 16>(k, p)

@@ -199,7 +199,7 @@ def markdown(meta, rows):
     lines = [f"serving | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
              "tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
              "| case | dtype | flashsdpa ms | other providers ms (flashsdpa's speedup) | "
-             "K+V GB/s (% of read probe) |", "|---|---|---|---|---|"]
+             "K+V GB/s (% of read probe), flashsdpa timed alone |", "|---|---|---|---|---|"]
     for r in rows:
         others = "; ".join(f"{p} {r['ms'][p]:.2f} ({r['speedup'][p]:.2f}x)"
                            for p in r["ms"] if p != "flashsdpa")

@@ -235,6 +235,33 @@ def parse_dtypes(spec):
     return [DTYPES[d] for d in parse_names("dtype", spec, DTYPES)]
 
 
+def add_run_args(ap, out_name, repeats_help):
+    """The options bench_variants.py and bench_serving.py share: --dtypes, --repeats,
+    --threads, --tiny, --out (results/<out_name>)."""
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--repeats", type=int, default=0, help=repeats_help)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test of this "
+                    "script, not a benchmark")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", out_name))
+
+
+def apply_run_args(ap, args, **names):
+    """add_run_args' options checked and applied (--threads); returns the dtypes and, for each
+    name=(spec, allowed) given, its parsed list, in that order."""
+    try:
+        parsed = [parse_names(n, spec, allowed) for n, (spec, allowed) in names.items()]
+        dtypes = parse_dtypes(args.dtypes)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.repeats < 0:
+        ap.error("--repeats must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return (dtypes, *parsed)
+
+
 def make_inputs(B, Hq, Hkv, L, D, dtype, mode, device="cpu"):
     """q, k, v of one case, the same for every seed-0 run: q_len 1 in decode mode (L is then the
     KV length), and requiring grad in train mode."""

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peak  # noqa: E402
-from bench_sdpa import (geomean, host_meta, parse_dtypes, parse_names,  # noqa: E402
+from bench_sdpa import (add_run_args, apply_run_args, geomean, host_meta,  # noqa: E402
                          save_json, time_case)
 
 import flashsdpa  # noqa: E402
@@ -228,24 +228,10 @@ def markdown(meta, rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--repeats", type=int, default=0, help="rounds per case (default: decode 11, "
-                    "varlen 3)")
-    ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--peak-read-mib", type=int, default=1024)
-    ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test of this "
-                    "script, not a benchmark")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "serving.json"))
+    add_run_args(ap, "serving.json", "rounds per case (default: decode 11, varlen 3)")
     args = ap.parse_args(argv)
-    try:
-        cases = parse_names("case", args.cases, CASES)
-        dtypes = parse_dtypes(args.dtypes)
-    except ValueError as e:
-        ap.error(str(e))
-    if args.repeats < 0:
-        ap.error("--repeats must be >= 1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    dtypes, cases = apply_run_args(ap, args, case=(args.cases, CASES))
     if args.tiny:
         for name, (kind, what, c) in list(CASES.items()):
             c = dict(c)

@@ -118,6 +118,11 @@ void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, boo
   p.lse_empty = lse_neg_inf ? -std::numeric_limits<float>::infinity() : 0.0f;
 }
 
+void check_rng_state(const at::Tensor& rng_state) {
+  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
+              "flashsdpa: rng_state must be the int64[2] (seed, offset) the forward returned");
+}
+
 // A backward's sinks gradient (fp32 (Hq,), zeros; (0,) without sinks), pointed to by p, and the
 // forward's dropout stream (rng_state: seed, offset) when there is dropout.
 at::Tensor fill_backward(AttnParams& p, const VariantTensors& vt, int64_t Hq, const at::Tensor& q,
@@ -257,8 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
                   logsumexp.size(0) == B && logsumexp.size(1) == Hq && logsumexp.size(2) == Lq,
               "flashsdpa: logsumexp must be float32 of shape (", B, ", ", Hq, ", ", Lq, "), got ",
               logsumexp.scalar_type(), " ", logsumexp.sizes());
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "flashsdpa: rng_state must be the int64[2] (seed, offset) the forward returned");
+  check_rng_state(rng_state);
 
   const at::Tensor q = last_dim_unit_stride(query);
   const at::Tensor k = last_dim_unit_stride(key);
@@ -504,8 +508,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
                   logsumexp.size(0) == Hq && logsumexp.size(1) == total_q,
               "flashsdpa: logsumexp must be float32 of shape (", Hq, ", ", total_q, "), got ",
               logsumexp.scalar_type(), " ", logsumexp.sizes());
-  TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
-              "flashsdpa: rng_state must be the int64[2] (seed, offset) the forward returned");
+  check_rng_state(rng_state);
   const at::Tensor q = last_dim_unit_stride(query);
   const at::Tensor k = last_dim_unit_stride(key);
   const at::Tensor v = last_dim_unit_stride(value);

@@ -52,6 +52,16 @@ inline __m512 load16_partial(const f16_t* p, int n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask16(n), p));
 }
 
+// The four sums of x0 .. x3 (each folded to 8 lanes, then a hadd tree).
+inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
+  const auto fold = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(x0), fold(x1)), _mm256_hadd_ps(fold(x2), fold(x3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // exp2 of 16 lanes: exp2_poly's polynomial (scalar.h) with AVX-512's rounding and scaling:
 // n = rint(x) by vrndscaleps, 2^n applied by vscalefps (which also saturates large |n| to inf / 0),
 // 4 fewer vector ops per 16 lanes than the magic-number steps of exp2_8. x is clamped below at
@@ -291,17 +301,8 @@ struct Avx512Ops : Avx2Ops {
     int d = 0;
     for (; d + 16 <= D; d += 16) step(d, 16);
     if (d < D) step(d, D - d);
-    const auto fold = [](__m512 v) {
-      return _mm256_add_ps(_mm512_castps512_ps256(v),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    };
 #pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[i][0]), fold(a[i][1])),
-                                      _mm256_hadd_ps(fold(a[i][2]), fold(a[i][3])));
-      _mm_storeu_ps(s + int64_t(i) * lds,
-                    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-    }
+    for (int i = 0; i < R; ++i) _mm_storeu_ps(s + int64_t(i) * lds, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
   }
 
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
@@ -310,17 +311,11 @@ struct Avx512Ops : Avx2Ops {
     for (; j + 4 <= nk; j += 4) {
       const e4m3_t* k0 = k + j * ldk;
       prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      int r = 0;
-      for (; r + 4 <= M; r += 4)
-        qk_4keys_e4m3<4>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
-      const float* qr = q + int64_t(r) * ldq;
-      float* sr = s + int64_t(r) * lds + j;
-      switch (M - r) {  // the last rows, fewer than 4
-        case 3: qk_4keys_e4m3<3>(k0, ldk, D, qr, ldq, sr, lds); break;
-        case 2: qk_4keys_e4m3<2>(k0, ldk, D, qr, ldq, sr, lds); break;
-        case 1: qk_4keys_e4m3<1>(k0, ldk, D, qr, ldq, sr, lds); break;
-        default: break;
-      }
+      for (int r = 0; r < M; r += 4)
+        with_rows<4>(M - r < 4 ? M - r : 4, [&](auto rows) {
+          qk_4keys_e4m3<decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
+                                               s + int64_t(r) * lds + j, lds);
+        });
     }
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }

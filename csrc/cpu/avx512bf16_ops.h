@@ -264,16 +264,6 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
   }
 
-  // The four sums of x0 .. x3 (each folded to 8 lanes, then a hadd tree).
-  static inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
-    const auto fold = [](__m512 x) {
-      return _mm256_add_ps(_mm512_castps512_ps256(x),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    };
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(x0), fold(x1)),
-                                    _mm256_hadd_ps(fold(x2), fold(x3)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  }
 
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
@@ -574,17 +564,11 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     for (; j + 4 <= nk; j += 4) {
       const e4m3_t* k0 = k + j * ldk;
       prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      int r = 0;
-      for (; r + 4 <= M; r += 4)
-        qk_4keys<4>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
-      const float* qr = q + int64_t(r) * ldq;
-      float* sr = s + int64_t(r) * lds + j;
-      switch (M - r) {  // the last rows, fewer than 4
-        case 3: qk_4keys<3>(t, k0, ldk, D, qr, ldq, sr, lds); break;
-        case 2: qk_4keys<2>(t, k0, ldk, D, qr, ldq, sr, lds); break;
-        case 1: qk_4keys<1>(t, k0, ldk, D, qr, ldq, sr, lds); break;
-        default: break;
-      }
+      for (int r = 0; r < M; r += 4)
+        with_rows<4>(M - r < 4 ? M - r : 4, [&](auto rows) {
+          qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
+                                          s + int64_t(r) * lds + j, lds);
+        });
     }
     for (; j < nk; ++j) {  // the last keys
       const e4m3_t* kj = k + j * ldk;

@@ -13,6 +13,7 @@ from . import _C
 
 _ORIGINAL = None  # PyTorch's jagged SDPA, while route() stands in for it
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_NO_BOUND = 2**31 - 1
 
 
 def _ops_module():
@@ -37,9 +38,11 @@ def takes(q, k, v, attn_mask, is_causal, enable_gqa):
         return False  # (B, H, j, D) with contiguous offsets only; no holes
     if q.dtype not in _DTYPES or q.size(1) % k.size(1) or (q.size(1) != k.size(1) and not enable_gqa):
         return False  # PyTorch's own message for head counts it rejects
-    if is_causal and not torch.equal(q.offsets(), k.offsets()):
+    # Jagged dims compare equal when the tensors share their offsets (as q, k, v cut from one
+    # packed batch do), without reading them, also under torch.compile.
+    if is_causal and q.size(2) != k.size(2):
         return False  # PyTorch aligns causal top-left, the varlen kernel bottom-right
-    return k.offsets() is v.offsets() or torch.equal(k.offsets(), v.offsets())
+    return k.size(2) == v.size(2)
 
 
 def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -50,12 +53,13 @@ def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (B, j, H, D): values (total, H, D)
     off_q, off_k = q.offsets(), k.offsets()
     cu_q, cu_k = off_q.to(torch.int32), off_k.to(torch.int32)
-    max_q = int((off_q[1:] - off_q[:-1]).max()) if off_q.numel() > 1 else 0
-    max_k = int((off_k[1:] - off_k[:-1]).max()) if off_k.numel() > 1 else 0
+    # max_seqlen_* only bound the sequence lengths (checked): the int32 maximum always does, and
+    # a constant keeps torch.compile from specialising the jagged dimension
     out, _, _ = torch.ops.flashsdpa.flash_attn_varlen_fwd(
-        q.values(), k.values(), v.values(), cu_q, cu_k, max_q, max_k, float(dropout_p),
+        q.values(), k.values(), v.values(), cu_q, cu_k, _NO_BOUND, _NO_BOUND, float(dropout_p),
         softmax_scale=scale, causal=bool(is_causal))
-    return nested_view_from_values_offsets(out, off_q, max_seqlen=max_q).transpose(1, 2)
+    return nested_view_from_values_offsets(out, off_q, min_seqlen=q._maybe_min_seqlen,
+                                           max_seqlen=q._maybe_max_seqlen).transpose(1, 2)
 
 
 def install():

@@ -17,12 +17,16 @@ LENS_Q = [9, 1, 33, 4]
 LENS_K = [12, 3, 33, 7]
 
 
-def jagged(lens, heads, dim, dtype, seed, grad=False):
-    """(B, heads, j, dim) jagged NestedTensor (a transposed (B, j, heads, dim) one, as models
-    build them) and its sequences."""
+def jagged(lens, heads, dim, dtype, seed, grad=False, like=None):
+    """(B, j, heads, dim) jagged NestedTensor (models transpose it to (B, heads, j, dim)) and its
+    sequences; with `like`, over like's offsets (as q, k, v cut from one packed batch are)."""
     g = torch.Generator().manual_seed(seed)
     seqs = [torch.randn(n, heads, dim, generator=g).to(dtype) for n in lens]
-    nt = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=grad)
+    if like is None:
+        nt = torch.nested.nested_tensor(seqs, layout=torch.jagged, requires_grad=grad)
+    else:
+        nt = torch.nested.nested_tensor_from_jagged(torch.cat(seqs), like.offsets())
+        nt.requires_grad_(grad)
     return nt, seqs
 
 
@@ -41,8 +45,8 @@ def test_nested_sdpa_runs_the_varlen_kernel(case, dtype):
     lens_k = LENS_Q if case == "self-causal" else LENS_K
     hkv = HKV if case == "gqa" else H
     q, qs = jagged(LENS_Q, H, D, dtype, 0, grad=True)
-    k, ks = jagged(lens_k, hkv, D, dtype, 1, grad=True)
-    v, vs = jagged(lens_k, hkv, DV, dtype, 2, grad=True)
+    k, ks = jagged(lens_k, hkv, D, dtype, 1, grad=True, like=q if lens_k == LENS_Q else None)
+    v, vs = jagged(lens_k, hkv, DV, dtype, 2, grad=True, like=k)
     causal = case == "self-causal"
     with flashsdpa.enabled(), _testing.counting() as counts:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
@@ -74,7 +78,7 @@ def test_nested_sdpa_falls_back_where_the_kernel_does_not_apply():
     own path, its results and its errors."""
     q, _ = jagged(LENS_Q, H, D, torch.float32, 0)
     k, _ = jagged(LENS_K, H, D, torch.float32, 1)
-    v, _ = jagged(LENS_K, H, DV, torch.float32, 2)
+    v, _ = jagged(LENS_K, H, DV, torch.float32, 2, like=k)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     want = F.scaled_dot_product_attention(qt, kt, vt)
     with flashsdpa.enabled(), _testing.counting() as counts:
@@ -94,3 +98,63 @@ def test_nested_sdpa_falls_back_where_the_kernel_does_not_apply():
         got = F.scaled_dot_product_attention(qt, kt, vt)
         assert counts()["fwd_tiles"] > 0
     torch.testing.assert_close(got.values(), want.values(), atol=1e-5, rtol=1e-5)
+
+
+def test_nested_sdpa_under_compile():
+    """torch.compile(fullgraph=True) over a jagged self-attention: one graph, the varlen kernel
+    runs, the result is the eager one."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    q, _ = jagged(LENS_Q, H, D, torch.float32, 0)
+    k, _ = jagged(LENS_Q, H, D, torch.float32, 1, like=q)
+    qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    with flashsdpa.enabled():
+        want = attend(qt, kt, kt)
+        compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+        with _testing.counting() as counts:
+            got = compiled(qt, kt, kt)
+            assert counts()["fwd_tiles"] > 0
+    torch._dynamo.reset()
+    torch.testing.assert_close(got.values(), want.values(), atol=0, rtol=0)
+
+
+def test_nested_sdpa_while_another_thread_toggles_enable():
+    """Calls from several threads while another toggles enable(): each is PyTorch's answer or
+    the varlen kernel's (equal within fp32 rounding), never an error."""
+    import threading
+    q, _ = jagged(LENS_Q, H, D, torch.float32, 0)
+    k, _ = jagged(LENS_K, H, D, torch.float32, 1)
+    v, _ = jagged(LENS_K, H, DV, torch.float32, 2, like=k)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    want = F.scaled_dot_product_attention(qt, kt, vt).values()
+    errors, stop = [], threading.Event()
+
+    def call():
+        try:
+            for _ in range(30):
+                got = F.scaled_dot_product_attention(qt, kt, vt).values()
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    def toggle():
+        while not stop.is_set():
+            flashsdpa.enable()
+            flashsdpa.disable()
+
+    was = flashsdpa.is_enabled()
+    toggler = threading.Thread(target=toggle)
+    workers = [threading.Thread(target=call) for _ in range(3)]
+    toggler.start()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    toggler.join()
+    (flashsdpa.enable if was else flashsdpa.disable)()
+    assert not errors, errors[0]

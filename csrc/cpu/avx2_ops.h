@@ -371,26 +371,29 @@ struct Avx2Ops : GenericOps {
         _mm_prefetch(reinterpret_cast<const char*>(row + r * ld) + off, _MM_HINT_T1);
   }
 
-  // Query rows in groups of kR (see qk_4keys), K rows prefetched ahead.
-  template <int kR, class T>
-  static void decode_qk_rows(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                             int M, float* s, int lds) {
+  // The decode Q.K loop of every trait: keys in fours (K rows prefetched ahead), query rows in
+  // groups of up to kR, f(rows, k0, r, j) computing s[r .. r + rows)[j .. j + 4) from K rows
+  // k0 = k + j * ldk; returns the keys done (the rest, fewer than 4, are the caller's).
+  template <int kR, class T, class F>
+  static int qk_key_groups(const T* k, int64_t ldk, int nk, int D, int M, F&& f) {
     int j = 0;
     for (; j + 4 <= nk; j += 4) {
       const T* k0 = k + j * ldk;
       prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      int r = 0;
-      for (; r + kR <= M; r += kR)
-        qk_4keys<T, kR>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
-      const float* qr = q + int64_t(r) * ldq;
-      float* sr = s + int64_t(r) * lds + j;
-      switch (M - r) {  // the last rows, fewer than kR
-        case 3: if constexpr (kR > 3) qk_4keys<T, 3>(k0, ldk, D, qr, ldq, sr, lds); break;
-        case 2: if constexpr (kR > 2) qk_4keys<T, 2>(k0, ldk, D, qr, ldq, sr, lds); break;
-        case 1: if constexpr (kR > 1) qk_4keys<T, 1>(k0, ldk, D, qr, ldq, sr, lds); break;
-        default: break;
-      }
+      for (int r = 0; r < M; r += kR)
+        with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) { f(rows, k0, r, j); });
     }
+    return j;
+  }
+
+  // Query rows in groups of kR (see qk_4keys).
+  template <int kR, class T>
+  static void decode_qk_rows(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq,
+                             int M, float* s, int lds) {
+    const int j = qk_key_groups<kR>(k, ldk, nk, D, M, [&](auto rows, const T* k0, int r, int j) {
+      qk_4keys<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
+                                         s + int64_t(r) * lds + j, lds);
+    });
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
 

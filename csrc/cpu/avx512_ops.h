@@ -307,16 +307,10 @@ struct Avx512Ops : Avx2Ops {
 
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
                         int M, float* s, int lds) {
-    int j = 0;
-    for (; j + 4 <= nk; j += 4) {
-      const e4m3_t* k0 = k + j * ldk;
-      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      for (int r = 0; r < M; r += 4)
-        with_rows<4>(M - r < 4 ? M - r : 4, [&](auto rows) {
-          qk_4keys_e4m3<decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
-                                               s + int64_t(r) * lds + j, lds);
-        });
-    }
+    const int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
+      qk_4keys_e4m3<decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
+                                           s + int64_t(r) * lds + j, lds);
+    });
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
 

@@ -560,16 +560,10 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
                         int M, float* s, int lds) {
     const Lut t;
-    int j = 0;
-    for (; j + 4 <= nk; j += 4) {
-      const e4m3_t* k0 = k + j * ldk;
-      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
-      for (int r = 0; r < M; r += 4)
-        with_rows<4>(M - r < 4 ? M - r : 4, [&](auto rows) {
-          qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
-                                          s + int64_t(r) * lds + j, lds);
-        });
-    }
+    int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
+      qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
+                                      s + int64_t(r) * lds + j, lds);
+    });
     for (; j < nk; ++j) {  // the last keys
       const e4m3_t* kj = k + j * ldk;
       for (int r = 0; r < M; ++r) {

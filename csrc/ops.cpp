@@ -829,9 +829,9 @@ std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
   if ((c.paged || c.e4m3) && !pol.decode) {
     for (int64_t i = 0; i < int64_t(seg.size()); ++i) {
       AttnParams& p = seg[i];
+      const int64_t b = seg_b[i];
       for (int kv = 0; kv < 2; ++kv) {
         const at::Tensor& cache = kv == 0 ? k_cache : v_cache;
-        const int64_t b = seg_b[i];
         at::Tensor g;  // (Lk, Hkv, D)
         if (c.paged) {
           const int64_t nblocks = (p.Lk + c.page - 1) / c.page;

@@ -7,7 +7,7 @@ scaled_dot_product_attention does, with the reason logged. `explain()` prints th
 import torch
 
 from . import _C, _gpu, _nested, _ops  # noqa: F401  (_ops registers the ops' fake kernels and autograd)
-from ._common import GPU_DEVICE_TYPES, decide
+from ._common import DTYPE_NAMES, GPU_DEVICE_TYPES, decide
 from ._routing import is_enabled
 
 _sdpa_op = torch.ops.flashsdpa.sdpa.default
@@ -89,7 +89,6 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
 _flash_attn_op = torch.ops.flashsdpa.flash_attn.default
 _varlen_op = torch.ops.flashsdpa.flash_attn_varlen_fwd.default
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -111,7 +110,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     del deterministic  # every flashsdpa backward is deterministic
     left, right = _window(window_size)
-    if q.device.type == "cpu" and q.dtype in _KERNEL_DTYPES:
+    if q.device.type == "cpu" and q.dtype in DTYPE_NAMES:
         out, lse, _ = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                  int(max_seqlen_k), float(dropout_p),
                                  softmax_scale=softmax_scale, causal=bool(causal),
@@ -154,7 +153,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     the last Lq of the cache_seqlens + Lnew keys (bottom-right causal / windows, as flash-attn):
     decode (Lq = 1), speculative decoding and chunked prefill. Every variant. -> out
     (B, Lq, H, Dv) [, lse (B, H, Lq) float32]. No gradient. Short queries take the split-KV
-    decode path, reading a paged cache in place. CPU tensors in float32 / bfloat16 / float16.
+    decode path (a paged cache's blocks copied through the block table as it goes). CPU tensors
+    in float32 / bfloat16 / float16.
 
     float8_e4m3fn caches (k_cache and v_cache both): value = stored * k_scale (v_scale), each a
     float32 tensor of one element or one per kv head (Hkv,), or a float (None: 1.0). The decode
@@ -163,7 +163,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """
     k_scale, v_scale = (torch.tensor([float(s)], dtype=torch.float32)
                         if isinstance(s, (int, float)) else s for s in (k_scale, v_scale))
-    if q.device.type != "cpu" or q.dtype not in _KERNEL_DTYPES:
+    if q.device.type != "cpu" or q.dtype not in DTYPE_NAMES:
         raise ValueError("flashsdpa.flash_attn_with_kvcache: q must be a CPU tensor in float32, "
                          f"bfloat16 or float16, got {q.dtype} on {q.device}")
     left, right = _window(window_size)
@@ -255,13 +255,15 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     variants = _variants(window_size, softcap, alibi_slopes, sinks) or {}
     lines = ["flashsdpa.explain: " + _describe_call(*args, variants)]
     if _nested.is_jagged(query):  # F.sdpa's jagged hook decides, before the dispatcher
-        lines.append("  F.scaled_dot_product_attention: " + (
-            "flashsdpa's varlen kernel over the packed values (flashsdpa/_nested.py)"
-            if not variants and _nested.takes(query, key, value, attn_mask, is_causal, enable_gqa)
-            else "PyTorch's jagged-layout SDPA (flashsdpa takes these calls only while enabled, "
-            "without a mask, with flash allowed, causal only over equal query / key lengths)"))
-        lines.append("  kernel: " + ("flashsdpa::flash_attn_varlen_fwd" if "varlen" in lines[-1]
-                                     else "PyTorch's"))
+        if not variants and _nested.takes(query, key, value, attn_mask, is_causal, enable_gqa):
+            lines += ["  F.scaled_dot_product_attention: flashsdpa's varlen kernel over the "
+                      "packed values (flashsdpa/_nested.py)",
+                      "  kernel: flashsdpa::flash_attn_varlen_fwd"]
+        else:
+            lines += ["  F.scaled_dot_product_attention: PyTorch's jagged-layout SDPA (flashsdpa "
+                      "takes these calls only while enabled, without a mask, with flash allowed, "
+                      "causal only when query and key share their offsets)",
+                      "  kernel: PyTorch's"]
         return "\n".join(lines)
     d = decide(*args, "direct", **variants)
     if d["invalid"]:

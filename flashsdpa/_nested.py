@@ -10,9 +10,9 @@ PyTorch's function unchanged.
 import torch
 
 from . import _C
+from ._common import DTYPE_NAMES
 
 _ORIGINAL = None  # PyTorch's jagged SDPA, while route() stands in for it
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _NO_BOUND = 2**31 - 1
 
 
@@ -36,7 +36,7 @@ def takes(q, k, v, attn_mask, is_causal, enable_gqa):
     if not all(t.device.type == "cpu" and t.dtype == q.dtype and t.dim() == 4 and
                t._ragged_idx == 2 and t._lengths is None for t in (q, k, v)):
         return False  # (B, H, j, D) with contiguous offsets only; no holes
-    if q.dtype not in _DTYPES or q.size(1) % k.size(1) or (q.size(1) != k.size(1) and not enable_gqa):
+    if q.dtype not in DTYPE_NAMES or q.size(1) % k.size(1) or (q.size(1) != k.size(1) and not enable_gqa):
         return False  # PyTorch's own message for head counts it rejects
     # Jagged dims compare equal when the tensors share their offsets (as q, k, v cut from one
     # packed batch do), without reading them, also under torch.compile.

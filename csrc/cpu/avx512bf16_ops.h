@@ -264,7 +264,6 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
   }
 
-
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
@@ -516,7 +515,7 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     // 64 bytes (n < 64: the first n, the rest read as 0) -> bf16 dims 0-31 and 32-63
     inline void widen(const e4m3_t* p, int n, __m512i* out0, __m512i* out1) const {
       const __m512i raw = n >= 64 ? _mm512_loadu_si512(p)
-                                  : _mm512_maskz_loadu_epi8(n >= 64 ? ~0ull : (1ull << n) - 1, p);
+                                  : _mm512_maskz_loadu_epi8((1ull << n) - 1, p);
       const __m512i b = _mm512_permutexvar_epi8(perm, raw);
       __m512i h = _mm512_permutex2var_epi8(hi0, b, hi1);
       const __m512i l = _mm512_permutex2var_epi8(lo0, b, lo1);
@@ -560,19 +559,12 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
                         int M, float* s, int lds) {
     const Lut t;
-    int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
+    const int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
       qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                       s + int64_t(r) * lds + j, lds);
     });
-    for (; j < nk; ++j) {  // the last keys
-      const e4m3_t* kj = k + j * ldk;
-      for (int r = 0; r < M; ++r) {
-        const uint16_t* qr = bf16_words(q + int64_t(r) * ldq);
-        float sum = 0.0f;
-        for (int d = 0; d < D; ++d) sum += bf16_to_f32(qr[d]) * to_f32(kj[d]);
-        s[int64_t(r) * lds + j] = sum;
-      }
-    }
+    if (j < nk)  // the last keys, one by one against the bf16 Q words
+      Avx512Bf16DecodeOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), V widened 64 dims at a

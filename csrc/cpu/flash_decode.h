@@ -162,17 +162,18 @@ struct FlashDecode {
     const int64_t j_begin = span_begin(p) + sp * split_len(p);
     const int64_t j_end = min64(span_end(p), j_begin + split_len(p));
     const bool gather = p.page_size > 0;
-    const float scale_log2 = p.scale * kLog2e;
-    const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
-    const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
-
-    float s_mul_of[kMaxItemHeads];  // per head of the item: s_mul with its K factor, if there
-    for (int e = 0; e < nh; ++e)
-      s_mul_of[e] = caps<Ops>().scale_in_a ? s_mul : s_mul * kv_factor(p.k_scale, p.k_scale_sh, hk0 + e);
+    // Per head of the item, the scores' scale (log2 units) times its K factor: folded into Q,
+    // or applied to the scores by traits that keep Q unscaled.
+    float q_mul[kMaxItemHeads], s_mul[kMaxItemHeads];
+    for (int e = 0; e < nh; ++e) {
+      const float mul = p.scale * kLog2e * kv_factor(p.k_scale, p.k_scale_sh, hk0 + e);
+      q_mul[e] = caps<Ops>().scale_in_a ? mul : 1.0f;
+      s_mul[e] = caps<Ops>().scale_in_a ? 1.0f : mul;
+    }
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
-      const float kf = caps<Ops>().scale_in_a ? kv_factor(p.k_scale, p.k_scale_sh, hk) : 1.0f;
-      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq, q_mul * kf);
+      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
+                          q_mul[r / M]);
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
@@ -201,7 +202,7 @@ struct FlashDecode {
             madd = L.mask + er * L.lds;
             mask_row_log2(p, b, h, i, j0, nk, madd);
           }
-          RowScore rs = row_score(p, b, h, i, j0, s_mul_of[e], madd);
+          RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
           rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
           any[e] |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
                                             L.acc + er * L.ldacc, int(p.Dv));

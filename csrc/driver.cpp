@@ -256,7 +256,7 @@ void poison(const at::Tensor& t) {
 
 void set_path_counting(bool on) {
   for (auto* c : {&g_counters.fused_exp_blocks, &g_counters.fwd_tiles, &g_counters.bwd_tiles,
-                  &g_counters.decode_blocks})
+                  &g_counters.decode_blocks, &g_counters.decode_gathered_blocks})
     c->store(0);
   g_counting.store(on);
 }

@@ -63,6 +63,8 @@ py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
   for (int i = 0; i < int(Feature::kCount); ++i)
     d[flashsdpa::cpu::feature_name(Feature(i))] = f.has(Feature(i));
   d["amx_permitted"] = f.amx_permitted;
+  d["l2_bytes"] = f.l2_bytes;
+  d["decode_block_bytes"] = flashsdpa::cpu::decode_block_bytes(f);
   py::list runnable;
   for (int i = 0; i < int(Isa::kCount); ++i)
     if (f.can_run[i]) runnable.append(flashsdpa::cpu::isa_name(Isa(i)));
@@ -321,6 +323,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["fwd_tiles"] = c ? c->fwd_tiles.load() : 0;
     d["bwd_tiles"] = c ? c->bwd_tiles.load() : 0;
     d["decode_blocks"] = c ? c->decode_blocks.load() : 0;
+    d["decode_gathered_blocks"] = c ? c->decode_gathered_blocks.load() : 0;
     return d;
   });
   t.def(

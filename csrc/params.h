@@ -136,7 +136,14 @@ struct PathCounters {
   std::atomic<int64_t> fwd_tiles{0};      // forward (q block, kv block) score tiles computed
   std::atomic<int64_t> bwd_tiles{0};      // backward (q block, kv block) score tiles computed
   std::atomic<int64_t> decode_blocks{0};  // decode (split, kv block) score blocks computed
+  std::atomic<int64_t> decode_gathered_blocks{0};  // of those, from a paged cache copied first
 };
+
+namespace cpu {
+// Split-KV decode: bytes of K rows (and of V rows) per block, decided once from the host's L2
+// (isa.cpp, which tier code cannot include: its tier table redefines the tier macros).
+int64_t decode_block_bytes();
+}  // namespace cpu
 
 // Adds n to a path counter when counting is on (tests only; one branch otherwise).
 inline void count_path(const AttnParams& p, std::atomic<int64_t> PathCounters::*c, int64_t n) {

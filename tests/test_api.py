@@ -163,6 +163,14 @@ def test_decode_fake_cpuid(raw, expected):
     assert _testing.decode_features(raw)["runnable_tiers"] == expected
 
 
+@pytest.mark.parametrize("l2_kib,block", [(0, 128), (256, 32), (512, 64), (1024, 128), (2048, 128)])
+def test_decode_block_bytes_from_l2(l2_kib, block):
+    """The decode block is an eighth of the L2 the CPU reports, within 32-128 KiB (1 MiB of L2
+    assumed when it reports none)."""
+    f = _testing.decode_features(dict(SPR, l2_kib=l2_kib))
+    assert f["l2_bytes"] == l2_kib * 1024 and f["decode_block_bytes"] == block * 1024
+
+
 def test_decode_non_x86_is_portable_only():
     assert _testing.decode_features(SPR, is_x86=False)["runnable_tiers"] == ["portable"]
 

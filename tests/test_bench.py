@@ -42,8 +42,12 @@ def test_bench_tiny_run(tmp_path, mode):
     pk = data["meta"]["peak"]
     assert pk["fma_peak_gflops"] > 0
     import peak
-    if peak.has_bf16_dot():  # vdpbf16ps does two products per fp32 lane
-        assert pk["bf16_dot_gflops"] > 1.2 * pk["fma_peak_gflops"], pk
+    if peak.has_bf16_dot():
+        # vdpbf16ps does two products per fp32 lane: about twice the FMA rate on Zen 4, but
+        # half of it on the Xeons that run it at one instruction per two cycles (measured on an
+        # Emerald Rapids VM: 171 against 348 GFLOP/s), so the check is only that the probe ran
+        # and counted 64 FLOP an instruction, not a ratio.
+        assert pk["bf16_dot_gflops"] > 0.3 * pk["fma_peak_gflops"], pk
         if mode != "decode":
             for r in data["rows"]:
                 rate = pk["bf16_dot_gflops"] if r["dtype"] == "bfloat16" else pk["fma_peak_gflops"]

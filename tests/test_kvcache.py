@@ -108,10 +108,11 @@ def assert_out_lse(out, lse, base, want, want_lse, dtype, what):
                                else 1e-5, rtol=1e-3)
 
 
-@pytest.mark.parametrize("block_size", [1, 7, 64, 256])
+@pytest.mark.parametrize("block_size", [1, 7, 16, 48, 64, 256])
 def test_kvcache_any_block_size(block_size):
     """Any block size, pages crossing the decode blocks at every offset: as the contiguous cache
-    on the decode path (paged in place) and the prefill path (gathered)."""
+    on the decode path (pages of 16k keys read in place, others copied a block at a time) and
+    the prefill path (gathered)."""
     for lq in (2, 30):
         q, kc, vc, kn, vn, kw = make_cache(torch.float32, lq, 3, sinks=True, causal=True)
         ref, _ = call(q, kc.clone(), vc.clone(), kn, vn, kw)
@@ -119,7 +120,40 @@ def test_kvcache_any_block_size(block_size):
         with _testing.counting() as counts:
             out, _ = call(q, kp, vp, kn, vn, kw, table)
             assert (counts()["decode_blocks"] > 0) == (lq <= 16)
+            assert (counts()["decode_gathered_blocks"] > 0) == (lq <= 16 and block_size % 16 != 0)
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5, msg=f"block_size {block_size}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn],
+                         ids=["fp32", "bf16", "e4m3"])
+@pytest.mark.parametrize("block_size", [16, 48, 1024])
+def test_kvcache_paged_in_place_is_the_contiguous_computation(tier, block_size, dtype):
+    """A long cache read in place page by page, over many decode blocks whose prefetch targets
+    lie in other pages (48 keys a page against blocks of 16k keys): bit for bit the contiguous
+    cache's result, on every tier (the runs only change where the rows are read from)."""
+    g = torch.Generator().manual_seed(3)
+    n_keys, hkv, d = 1500, 8, 128
+    qdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(1, 1, 4 * hkv, d, generator=g).to(qdt)
+    kc, vc = (torch.randn(1, n_keys, hkv, d, generator=g).to(dtype) for _ in range(2))
+    scales = dict(k_scale=0.5, v_scale=0.25) if dtype == torch.float8_e4m3fn else {}
+    per = -(-n_keys // block_size)
+    order = torch.randperm(per + 2, generator=g)
+    table = order[:per].view(1, per).to(torch.int32)
+    pools = []
+    for c in (kc, vc):
+        pool = torch.zeros((per + 2, block_size, hkv, d), dtype=dtype)
+        for i in range(per):
+            rows = c[0, i * block_size:(i + 1) * block_size]
+            pool[table[0, i], :rows.shape[0]] = rows
+        pools.append(pool)
+    seqlens = torch.tensor([n_keys], dtype=torch.int32)
+    want = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **scales)
+    with _testing.counting() as counts:
+        got = flashsdpa.flash_attn_with_kvcache(q, *pools, cache_seqlens=seqlens,
+                                                block_table=table, **scales)
+        assert counts()["decode_blocks"] > 1 and counts()["decode_gathered_blocks"] == 0
+    assert torch.equal(got, want), f"{tier} block_size {block_size}: {(got - want).abs().max()}"
 
 
 @pytest.mark.parametrize("block_size", [None, 5])

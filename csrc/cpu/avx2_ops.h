@@ -353,33 +353,30 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  // Decode streams K and V from memory once: rows kPrefetchRows ahead are prefetched (also
-  // past the block's end, which is where the next block starts), so the loads find them cached.
-  static constexpr int kPrefetchRows = 64;
-  // AVX-512 decode P.V (Avx512Ops::pv_zmm, Avx512Bf16DecodeOps::pv_pairs): the next block's V
-  // rows are prefetched one line per pv_prefetch_bytes(R) of each row. One or two query rows
-  // (MHA decode) are light compute per byte: every fourth line is enough, as the hardware
-  // streamer follows the software prefetches and fetches the lines between, and the fewer
-  // prefetch instructions let the loads run further ahead. More rows (GQA folded, q_len > 2)
-  // keep every line (sparser prefetches were slower there).
-  static constexpr int pv_prefetch_bytes(int rows) { return rows <= 2 ? 256 : 64; }
+  // The part [0, bytes) of a row, pf.off bytes on: one prefetch per pf.every bytes (into L2:
+  // the block it belongs to is read a block later).
+  static inline void prefetch_row(const void* row, int bytes, const DecodePrefetch& pf) {
+    const char* r = static_cast<const char*>(row) + pf.off;
+    for (int b = 0; b < bytes; b += pf.every) _mm_prefetch(r + b, _MM_HINT_T1);
+  }
+  // Whether a pass over a row's dims from d0 prefetches: passes starting on the pf.every grid
+  // do (their part of the row, prefetch_row), so each line is prefetched once.
   template <class T>
-  static inline void prefetch_rows(const T* row, int64_t ld, int n, int D) {
-    const int bytes = D * int(sizeof(T));
-    for (int r = 0; r < n; ++r)
-      for (int off = 0; off < bytes; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + r * ld) + off, _MM_HINT_T1);
+  static inline bool prefetches_at(const DecodePrefetch& pf, int d0) {
+    return pf.off != 0 && (int64_t(d0) * int64_t(sizeof(T))) % pf.every == 0;
   }
 
-  // The decode Q.K loop of every trait: keys in fours (K rows prefetched ahead), query rows in
+  // The decode Q.K loop of every trait: keys in fours (each K row's lines prefetched, pf), query rows in
   // groups of up to kR, f(rows, k0, r, j) computing s[r .. r + rows)[j .. j + 4) from K rows
   // k0 = k + j * ldk; returns the keys done (the rest, fewer than 4, are the caller's).
   template <int kR, class T, class F>
-  static int qk_key_groups(const T* k, int64_t ldk, int nk, int D, int M, F&& f) {
+  static int qk_key_groups(const T* k, int64_t ldk, int nk, int D, int M,
+                           const DecodePrefetch& pf, F&& f) {
     int j = 0;
     for (; j + 4 <= nk; j += 4) {
       const T* k0 = k + j * ldk;
-      prefetch_rows(k0 + kPrefetchRows * ldk, ldk, 4, D);
+      if (pf.off)
+        for (int u = 0; u < 4; ++u) prefetch_row(k0 + u * ldk, D * int(sizeof(T)), pf);
       for (int r = 0; r < M; r += kR)
         with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) { f(rows, k0, r, j); });
     }
@@ -389,8 +386,8 @@ struct Avx2Ops : GenericOps {
   // Query rows in groups of kR (see qk_4keys).
   template <int kR, class T>
   static void decode_qk_rows(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                             int M, float* s, int lds) {
-    const int j = qk_key_groups<kR>(k, ldk, nk, D, M, [&](auto rows, const T* k0, int r, int j) {
+                             int M, float* s, int lds, const DecodePrefetch& pf) {
+    const int j = qk_key_groups<kR>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
       qk_4keys<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                          s + int64_t(r) * lds + j, lds);
     });
@@ -399,21 +396,22 @@ struct Avx2Ops : GenericOps {
 
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
-    decode_qk_rows<2>(k, ldk, nk, D, q, ldq, M, s, lds);
+                        float* s, int lds, const DecodePrefetch& pf) {
+    decode_qk_rows<2>(k, ldk, nk, D, q, ldq, M, s, lds, pf);
   }
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).
   // One row: 64 output dims in 8 registers while the keys stream past. Several rows (GQA folded
   // into rows, or q_len > 1): up to 6 rows x 16 dims in 12 registers, so each V chunk is
   // loaded and widened once for all of them.
-  // With `prefetch`, the loop also prefetches the cache line of row j + nk (the same row of the
-  // next block) that this 16-dim chunk covers: over all chunks, the next block's whole rows,
-  // one line per key, spread across the compute and a full block ahead (a chunk pass takes only
-  // a few cycles per key, so a distance counted in keys of one pass would not hide DRAM latency).
+  // With `prefetch`, the loop also prefetches (pf) the lines of each row this 16-dim chunk
+  // covers: over all chunks, the next block's rows, spread across the compute and a full block
+  // ahead (a chunk pass takes only a few cycles per key, so a distance counted in keys of one
+  // pass would not hide DRAM latency).
   template <class T, int R>
   static inline void pv_rows16(const T* v, int64_t ldv, int nk, const float* p, int ldp,
-                               float* acc, int ldacc, int d0, bool prefetch) {
+                               float* acc, int ldacc, int d0, bool prefetch,
+                               const DecodePrefetch& pf) {
     __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
     __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
            c41 = c01, c50 = c00, c51 = c01;
@@ -424,11 +422,10 @@ struct Avx2Ops : GenericOps {
   }
     FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
 #undef FLASHSDPA_LD
-    const bool pf = prefetch && ((int64_t(d0) * int64_t(sizeof(T))) & 63) == 0;
+    prefetch = prefetch && prefetches_at<T>(pf, d0);
     for (int j = 0; j < nk; ++j) {
       const T* vj = v + j * ldv + d0;
-      if (pf)
-        _mm_prefetch(reinterpret_cast<const char*>(vj + nk * ldv), _MM_HINT_T1);
+      if (prefetch) prefetch_row(vj, 16 * int(sizeof(T)), pf);
       const __m256 v0 = load8(vj), v1 = load8(vj + 8);
 #define FLASHSDPA_ROW(i)                                                          \
   if (R > i) {                                                                   \
@@ -451,8 +448,7 @@ struct Avx2Ops : GenericOps {
 
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc) {
-    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+                        float* acc, int ldacc, const DecodePrefetch& pf) {
     const int d64 = M == 1 ? Dv & ~63 : 0;
     for (int d0 = 0; d0 < d64; d0 += 64) {  // one row
       __m256 c0 = _mm256_loadu_ps(acc + d0), c1 = _mm256_loadu_ps(acc + d0 + 8);
@@ -460,7 +456,7 @@ struct Avx2Ops : GenericOps {
       __m256 c4 = _mm256_loadu_ps(acc + d0 + 32), c5 = _mm256_loadu_ps(acc + d0 + 40);
       __m256 c6 = _mm256_loadu_ps(acc + d0 + 48), c7 = _mm256_loadu_ps(acc + d0 + 56);
       for (int j = 0; j < nk; ++j) {
-        if (d0 == 0) prefetch_rows(v + (j + 2 * kPrefetchRows) * ldv, ldv, 1, Dv);
+        if (d0 == 0 && pf.off) prefetch_row(v + j * ldv, Dv * int(sizeof(T)), pf);
         const __m256 pj = _mm256_broadcast_ss(p + j);
         const T* vj = v + j * ldv + d0;
         c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
@@ -478,10 +474,10 @@ struct Avx2Ops : GenericOps {
       const int R = M - r < 6 ? M - r : 6;
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
-      const bool pf = r == 0;
+      const bool first = r == 0;  // the first row group prefetches
       for (int d0 = d64; d0 < d16; d0 += 16) {
         with_rows<6>(R, [&](auto rows) {
-          pv_rows16<T, decltype(rows)::value>(v, ldv, nk, pr, ldp, ar, ldacc, d0, pf);
+          pv_rows16<T, decltype(rows)::value>(v, ldv, nk, pr, ldp, ar, ldacc, d0, first, pf);
         });
       }
       if (d16 < Dv)  // the last dims, fewer than 16

@@ -267,8 +267,8 @@ struct Avx512Ops : Avx2Ops {
   // each chunk of 4 K rows is loaded and widened once for 4 rows instead of twice for 2 + 2.
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
-    decode_qk_rows<4>(k, ldk, nk, D, q, ldq, M, s, lds);
+                        float* s, int lds, const DecodePrefetch& pf) {
+    decode_qk_rows<4>(k, ldk, nk, D, q, ldq, M, s, lds, pf);
   }
 
   // Decode Q K^T over an e4m3 cache: its widening costs more than the FMAs it feeds, so 16 dims
@@ -303,8 +303,8 @@ struct Avx512Ops : Avx2Ops {
   }
 
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                        int M, float* s, int lds) {
-    const int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
+                        int M, float* s, int lds, const DecodePrefetch& pf) {
+    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const e4m3_t* k0, int r, int j) {
       qk_4keys_e4m3<decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                            s + int64_t(r) * lds + j, lds);
     });
@@ -313,26 +313,20 @@ struct Avx512Ops : Avx2Ops {
 
   // Decode P V with zmm accumulators: R rows x C vectors of 16 dims per pass, so a pass reads
   // 16 C contiguous dims of each V row (one row, C = 8: the whole 128-dim row, read once in
-  // order) and each widened V vector feeds R FMAs. The first row group prefetches the same rows
-  // of the next block (nk keys on), one line per PFB bytes of each row (pv_prefetch_bytes).
-  template <class T, int R, int C, int PFB>
+  // order) and each widened V vector feeds R FMAs. With `prefetch` (the first row group), each
+  // row's lines as pf says.
+  template <class T, int R, int C>
   static inline void pv_zmm(const T* v, int64_t ldv, int nk, const float* p, int ldp,
-                            float* acc, int ldacc, int d0, bool prefetch) {
+                            float* acc, int ldacc, int d0, bool prefetch, const DecodePrefetch& pf) {
     __m512 c[R][C];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int u = 0; u < C; ++u) c[r][u] = _mm512_loadu_ps(acc + int64_t(r) * ldacc + d0 + 16 * u);
-    // passes shorter than the stride prefetch only where a stride starts (d0 is a multiple of
-    // 16 C dims, so a longer pass starts on one)
-    constexpr int kStride = PFB / int(sizeof(T));  // elements
-    prefetch = prefetch && (d0 % kStride) == 0;
+    prefetch = prefetch && prefetches_at<T>(pf, d0);
     for (int j = 0; j < nk; ++j) {
       const T* vj = v + int64_t(j) * ldv + d0;
-      if (prefetch)
-#pragma GCC unroll 8
-        for (int u = 0; u < 16 * C; u += kStride)
-          _mm_prefetch(reinterpret_cast<const char*>(vj + nk * ldv + u), _MM_HINT_T1);
+      if (prefetch) prefetch_row(vj, 16 * C * int(sizeof(T)), pf);
       __m512 x[C];
 #pragma GCC unroll 8
       for (int u = 0; u < C; ++u) x[u] = load16(vj + 16 * u);
@@ -351,30 +345,27 @@ struct Avx512Ops : Avx2Ops {
 
   // Dims in passes of 128 (one or two rows), 64 (up to six rows), then 16; the last dims, fewer
   // than 16, on the portable kernel (GenericOps::decode_pv), as in the AVX2 trait.
-  template <class T, int R, int PFB>
+  template <class T, int R>
   static void pv_zmm_group(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                           float* acc, int ldacc, bool prefetch) {
+                           float* acc, int ldacc, bool prefetch, const DecodePrefetch& pf) {
     constexpr int C = R <= 2 ? 8 : 4;
     const int d16 = Dv & ~15;
     int d0 = 0;
     for (; d0 + 16 * C <= d16; d0 += 16 * C)
-      pv_zmm<T, R, C, PFB>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
-    for (; d0 < d16; d0 += 16) pv_zmm<T, R, 1, PFB>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch);
+      pv_zmm<T, R, C>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch, pf);
+    for (; d0 < d16; d0 += 16) pv_zmm<T, R, 1>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch, pf);
     if (d16 < Dv)
       GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, p, ldp, R, acc + d16, ldacc);
   }
 
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc) {
-    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+                        float* acc, int ldacc, const DecodePrefetch& pf) {
     for (int r = 0; r < M; r += 6) {
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
-      const bool pf = r == 0;
       with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
-        constexpr int R = decltype(rows)::value;
-        pv_zmm_group<T, R, pv_prefetch_bytes(R)>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, pf);
+        pv_zmm_group<T, decltype(rows)::value>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, r == 0, pf);
       });
     }
   }

@@ -266,13 +266,14 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
 
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
+                        float* s, int lds, const DecodePrefetch& pf) {
     int j = 0;
     if constexpr (std::is_same<T, bf16_t>::value) {
       const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
       for (; j + 4 <= nk; j += 4) {
         const uint16_t* k0 = kb + j * ldk;
-        prefetch_rows(k + (j + kPrefetchRows) * ldk, ldk, 4, D);
+        if (pf.off)
+          for (int u = 0; u < 4; ++u) prefetch_row(k0 + u * ldk, 2 * D, pf);
         int r = 0;
         for (; r + 2 <= M; r += 2)
           qk_4keys_bf16<true>(k0, ldk, D, bf16_words(q + int64_t(r) * ldq),
@@ -318,9 +319,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
-  // With `prefetch`, the rows nk keys on (the next kPvKeys chunk of a 512-key decode block, or
-  // the next block) are prefetched one line per PFB bytes (pv_prefetch_bytes), as the widening
-  // path does.
+  // With `prefetch`, each row's lines as pf says, as the widening path does.
   // The accumulators of R rows x C chunks from d0, in unpack order (and back).
   template <int R, int C>
   static inline void load_pair_acc(const float* acc, int ldacc, int d0, __m512 (*lo)[C],
@@ -371,9 +370,10 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     }
   }
 
-  template <int R, int C, int PFB>
+  template <int R, int C>
   static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
-                              int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
+                              int ldpw, float* acc, int ldacc, int d0, bool prefetch,
+                              const DecodePrefetch& pf) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
     const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
@@ -385,36 +385,33 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       }
       pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
     };
-    // passes shorter than the stride prefetch only where a stride starts
-    constexpr int kStride = PFB / 2;  // elements
-    prefetch = prefetch && (d0 % kStride) == 0;
+    prefetch = prefetch && prefetches_at<uint16_t>(pf, d0);
     const int np = nk / 2;
     for (int jp = 0; jp < np; ++jp) {
       const uint16_t* va = v + int64_t(2 * jp) * ldv + d0;
-      if (prefetch)
-#pragma GCC unroll 4
-        for (int u = 0; u < 32 * C; u += kStride) {
-          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + u), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + u), _MM_HINT_T1);
-        }
+      if (prefetch) prefetch_row(va, 64 * C, pf), prefetch_row(va + ldv, 64 * C, pf);
       step(va, va + ldv, jp);
     }
-    if (nk & 1) step(v + int64_t(nk - 1) * ldv + d0, nullptr, np);  // the last key: pair (V, 0)
+    if (nk & 1) {  // the last key: pair (V, 0)
+      const uint16_t* va = v + int64_t(nk - 1) * ldv + d0;
+      if (prefetch) prefetch_row(va, 64 * C, pf);
+      step(va, nullptr, np);
+    }
     store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }
 
   // Rows in groups of up to 6; per group the dims in chunks of 128 (one or two rows: 8 or 16
   // accumulators) or 64 (more rows: up to 24), then 32; dims past the last whole 32 take the
   // widening path on the fp32 P.
-  template <int R, int PFB>
+  template <int R>
   static void pv_group(const uint16_t* v, int64_t ldv, int nk, int Dv, const uint32_t* pw,
-                       int ldpw, float* acc, int ldacc, bool prefetch) {
+                       int ldpw, float* acc, int ldacc, bool prefetch, const DecodePrefetch& pf) {
     constexpr int C = R <= 2 ? 4 : 2;
     const int d32 = Dv & ~31;
     int d0 = 0;
     for (; d0 + 32 * C <= d32; d0 += 32 * C)
-      pv_pairs<R, C, PFB>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
-    for (; d0 < d32; d0 += 32) pv_pairs<R, 1, PFB>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+      pv_pairs<R, C>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch, pf);
+    for (; d0 < d32; d0 += 32) pv_pairs<R, 1>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch, pf);
   }
 
   static constexpr int kPvKeys = 256;  // keys per pass (the P pairs of 6 rows on the stack)
@@ -424,8 +421,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // in whole 32s; the last dims, fewer than 32, widened against the fp32 P.
   template <class T, class Group>
   static void decode_pv_pairs(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                              int M, float* acc, int ldacc, Group&& group) {
-    prefetch_rows(v + kPrefetchRows * ldv, ldv, nk < kPrefetchRows ? nk : kPrefetchRows, Dv);
+                              int M, float* acc, int ldacc, const DecodePrefetch& pf,
+                              Group&& group) {
     const int d32 = Dv & ~31;
     constexpr int ldpw = kPvKeys / 2 + 8;
     alignas(64) uint32_t pw[6 * ldpw];
@@ -448,23 +445,22 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       }
       if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
         Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,
-                             acc + d32, ldacc);
+                             acc + d32, ldacc, pf);
     }
   }
 
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc) {
+                        float* acc, int ldacc, const DecodePrefetch& pf) {
     if constexpr (!std::is_same<T, bf16_t>::value) {  // other dtypes never run on this tier
-      Avx512Ops::decode_pv(v, ldv, nk, Dv, p, ldp, M, acc, ldacc);
+      Avx512Ops::decode_pv(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf);
     } else {
-      decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc,
+      decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf,
                       [&](auto rows, const bf16_t* vj, int n, const uint32_t* pw, int ldpw,
-                          float* ar, bool pf) {
-                        constexpr int kR = decltype(rows)::value;
-                        pv_group<kR, pv_prefetch_bytes(kR)>(
-                            reinterpret_cast<const uint16_t*>(vj), ldv, n, Dv, pw, ldpw, ar,
-                            ldacc, pf);
+                          float* ar, bool first) {
+                        pv_group<decltype(rows)::value>(reinterpret_cast<const uint16_t*>(vj),
+                                                        ldv, n, Dv, pw, ldpw, ar, ldacc, first,
+                                                        pf);
                       });
     }
   }
@@ -557,14 +553,14 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
   }
 
   static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                        int M, float* s, int lds) {
+                        int M, float* s, int lds, const DecodePrefetch& pf) {
     const Lut t;
-    const int j = qk_key_groups<4>(k, ldk, nk, D, M, [&](auto rows, const e4m3_t* k0, int r, int j) {
+    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const e4m3_t* k0, int r, int j) {
       qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                       s + int64_t(r) * lds + j, lds);
     });
     if (j < nk)  // the last keys, one by one against the bf16 Q words
-      Avx512Bf16DecodeOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+      Avx512Bf16DecodeOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds, pf);
   }
 
   // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), V widened 64 dims at a
@@ -572,7 +568,7 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
   template <int R, int C>
   static inline void pv_pairs(const Lut& t, const e4m3_t* v, int64_t ldv, int nk,
                               const uint32_t* pw, int ldpw, float* acc, int ldacc, int d0,
-                              bool prefetch) {
+                              bool prefetch, const DecodePrefetch& pf) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
     const auto widen = [&](const e4m3_t* row, __m512i* x) {
@@ -584,15 +580,15 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
 #pragma GCC unroll 2
       for (int c = 0; c < C; c += 2) t.widen(row + 32 * c, C == 1 ? 32 : 64, &x[c], C == 1 ? &spare : &x[c + 1]);
     };
+    prefetch = prefetch && prefetches_at<e4m3_t>(pf, d0);
     const int np = (nk + 1) / 2;
     for (int jp = 0; jp < np; ++jp) {
       const e4m3_t* va = v + int64_t(2 * jp) * ldv + d0;
       const e4m3_t* vb = 2 * jp + 1 < nk ? va + ldv : nullptr;  // the last key: pair (V, 0)
-      if (prefetch)
-        for (int u = 0; u < 32 * C; u += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(va + nk * ldv + u), _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(va + (nk + 1) * ldv + u), _MM_HINT_T1);
-        }
+      if (prefetch) {
+        prefetch_row(va, 32 * C, pf);
+        if (vb) prefetch_row(vb, 32 * C, pf);
+      }
       __m512i x[C], y[C];
       widen(va, x);
       widen(vb, y);
@@ -602,18 +598,18 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
   }
 
   static void decode_pv(const e4m3_t* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                        int M, float* acc, int ldacc) {
+                        int M, float* acc, int ldacc, const DecodePrefetch& pf) {
     const Lut t;
-    decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, [&](auto rows, const e4m3_t* vj, int n,
+    decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf, [&](auto rows, const e4m3_t* vj, int n,
                                                                const uint32_t* pw, int ldpw,
-                                                               float* ar, bool pf) {
+                                                               float* ar, bool first) {
       constexpr int kR = decltype(rows)::value;
       constexpr int C = kR <= 2 ? 4 : 2;
       const int d32 = Dv & ~31;
       int d0 = 0;
       for (; d0 + 32 * C <= d32; d0 += 32 * C)
-        pv_pairs<kR, C>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, pf);
-      for (; d0 < d32; d0 += 32) pv_pairs<kR, 1>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, pf);
+        pv_pairs<kR, C>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, first, pf);
+      for (; d0 < d32; d0 += 32) pv_pairs<kR, 1>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, first, pf);
     });
   }
 };

@@ -8,7 +8,8 @@
 //       DecodeSplit: online softmax over the split's keys -> partial (acc, m, l) per row
 //       DecodeMerge: per (b, hkv), rows merged over the splits in order:
 //         m* = max_s m_s;  l = sum_s 2^(m_s - m*) l_s;  out = sum_s 2^(m_s - m*) acc_s / l
-//   * K and V rows are read in place (any row stride: a padded cache view is never copied),
+//   * K and V rows are read in place (any row stride: a padded cache view is never copied; a
+//     paged cache a run of keys within one page at a time),
 //     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv.
 //     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
 //     what its widening leaves out) go where the softmax scale goes for K (the query rows, or
@@ -27,7 +28,7 @@ namespace FLASHSDPA_TIER_NS {
 template <class TierOps, class T, class KV = T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps, KV>::type;
-  static constexpr int kBlock = 1024 / int(sizeof(KV));  // keys per block (block_keys)
+  static constexpr int kMaxBlock = 1024 / int(sizeof(KV));  // keys per block, at most
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
   // Splits per (b, kv head): enough for about kTargetItems items in all, no more (each split
@@ -39,23 +40,20 @@ struct FlashDecode {
 
   // Caches laid out (.., L, Hkv, D) (flash-attn's, paged or not: the kv heads of a key side by
   // side) are read as whole key rows: one item takes every kv head of its keys, block by block
-  // of keys (about kRowBytes of them, so that the heads' passes over a block stay close in
-  // memory and time), rather than one head's slice of every row per item. (.., Hkv, L, D)
-  // caches, with each head's keys contiguous, are read one kv head per item. A paged cache's
-  // blocks of keys are copied into the thread's scratch first (gather_rows).
+  // of keys (so that the heads' passes over a block stay close in memory and time), rather than
+  // one head's slice of every row per item. (.., Hkv, L, D) caches, with each head's keys
+  // contiguous, are read one kv head per item.
   static constexpr int64_t kMaxItemHeads = 64;
   static bool all_heads(const AttnParams& p) {
     return p.Hkv > 1 && p.Hkv <= kMaxItemHeads && p.k_sh < p.k_sl && p.v_sh < p.v_sl;
   }
   static int64_t heads_per_item(const AttnParams& p) { return all_heads(p) ? p.Hkv : 1; }
-  // Keys per block. One head per item: kBlock, 128 KiB of K (and of V) at D = 128 in every
-  // width, so the K and V streams alternate as often per byte for narrow types as for fp32.
-  // Whole rows or paged: about kRowBytes of the item's K rows, well inside any L2.
-  static constexpr int64_t kRowBytes = 128 * 1024;
+  // Keys per block: the item's K rows (of every head it takes) in about decode_block_bytes()
+  // (a share of the core's L2), so that K and V streams alternate as often per byte in every
+  // width; a multiple of 16 keys.
   static int64_t block_keys(const AttnParams& p) {
-    if (!all_heads(p) && p.page_size == 0) return kBlock;
     const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(KV));
-    return min64(kBlock, max64(16, kRowBytes / row / 16 * 16));
+    return min64(kMaxBlock, max64(16, decode_block_bytes() / row / 16 * 16));
   }
   // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
   // grid): a sliding window over a long cache spreads its few blocks over every split.
@@ -74,6 +72,59 @@ struct FlashDecode {
   }
   static int64_t n_splits(const AttnParams& p) {
     return max64(1, ceil_div(span_end(p) - span_begin(p), split_len(p)));
+  }
+
+  // Prefetches (DecodePrefetch, bytes apart in a row): K rows one per line; V rows too, but for
+  // one or two query rows (MHA decode: light compute per byte) one per fourth line, as the
+  // hardware streamer follows the software prefetches and fetches the lines between, and fewer
+  // prefetch instructions let the loads run further ahead (sparser was slower with more rows).
+  static int prefetch_every(const AttnParams& p, bool v) { return v && rows(p) <= 2 ? 256 : 64; }
+
+  // Paged caches are read in place, a run of keys within one page at a time, when pages hold
+  // a multiple of 16 keys (runs long enough for the kernels' groups of keys and passes);
+  // smaller or odd pages are copied into the thread's scratch first, a block of keys at a
+  // time (gather_rows).
+  static bool gathers(const AttnParams& p) { return p.page_size > 0 && p.page_size % 16 != 0; }
+
+  // K or V as read in place: key j of kv head hk of batch b at row_at(p, side, b, hk, j).
+  struct Side {
+    const KV* base;
+    int64_t sb, sh, sl, spage;
+  };
+  static Side k_side(const AttnParams& p) {
+    return {static_cast<const KV*>(p.k), p.k_sb, p.k_sh, p.k_sl, p.k_spage};
+  }
+  static Side v_side(const AttnParams& p) {
+    return {static_cast<const KV*>(p.v), p.v_sb, p.v_sh, p.v_sl, p.v_spage};
+  }
+  static const KV* row_at(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j) {
+    const KV* r = s.base + b * s.sb + hk * s.sh;
+    if (p.page_size == 0) return r + j * s.sl;
+    return r + int64_t(p.block_table[j / p.page_size]) * s.spage + j % p.page_size * s.sl;
+  }
+  // The keys [j0, j0 + nk) of a block in runs f(a, r, n, pf) of keys a .. a + n - 1 with
+  // equally spaced rows, the first at r (one run unless paged); pf prefetches the same keys of
+  // the next block, nb on (none past the sequence's keys: the block table is read no further).
+  template <class F>
+  static void block_runs(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j0,
+                         int nk, int64_t nb, int every, F&& f) {
+    const auto pf_to = [&](const KV* r, int64_t a) {
+      if (a + nb >= p.Lk) return DecodePrefetch{0, every};
+      const char* t = reinterpret_cast<const char*>(row_at(p, s, b, hk, a + nb));
+      return DecodePrefetch{t - reinterpret_cast<const char*>(r), every};
+    };
+    if (p.page_size == 0) {
+      const KV* r = row_at(p, s, b, hk, j0);
+      return f(j0, r, nk, pf_to(r, j0));
+    }
+    const int64_t ps = p.page_size;
+    for (int64_t a = j0; a < j0 + nk;) {
+      int64_t n = min64(j0 + nk - a, ps - a % ps);
+      if (a + nb < p.Lk) n = min64(n, ps - (a + nb) % ps);  // the target rows in one page too
+      const KV* r = row_at(p, s, b, hk, a);
+      f(a, r, int(n), pf_to(r, a));
+      a += n;
+    }
   }
 
   // One thread's buffers over its scratch (null: sizes only, in total); q, s, acc, m, l for
@@ -96,9 +147,9 @@ struct FlashDecode {
       l = c.take(M);
       mask = c.take(M * lds);
       kv = reinterpret_cast<KV*>(c.take(
-          p.page_size > 0 ? ceil_div(nb * max64(span(p, p.k_sh, p.D), span(p, p.v_sh, p.Dv)) *
-                                         int64_t(sizeof(KV)), 4)
-                          : 0));
+          gathers(p) ? ceil_div(nb * max64(span(p, p.k_sh, p.D), span(p, p.v_sh, p.Dv)) *
+                                    int64_t(sizeof(KV)), 4)
+                     : 0));
       total = c.total;
     }
   };
@@ -114,7 +165,7 @@ struct FlashDecode {
   }
   static int64_t merge_items(const AttnParams& p) { return p.B * p.Hkv; }
 
-  // Paged caches: keys j0 .. j0 + n - 1 of kv heads [hk0, hk0 + nh) copied into dst, key after
+  // Small pages (gathers): keys j0 .. j0 + n - 1 of kv heads [hk0, hk0 + nh) copied into dst, key after
   // key, each key's span of the item's heads (head e at e * sh, `span` elements a key) as it
   // lies in the page, where the decode kernels then read them as from a contiguous cache. The
   // keys of one page are one copy when the page's rows are contiguous. The blocks lie anywhere,
@@ -161,7 +212,8 @@ struct FlashDecode {
     const int64_t b = bhk / (p.Hkv / nh), hk0 = bhk % (p.Hkv / nh) * nh;
     const int64_t j_begin = span_begin(p) + sp * split_len(p);
     const int64_t j_end = min64(span_end(p), j_begin + split_len(p));
-    const bool gather = p.page_size > 0;
+    const bool gather = gathers(p);
+    const Side ks = k_side(p), vs = v_side(p);
     // Per head of the item, the scores' scale (log2 units) times its K factor: folded into Q,
     // or applied to the scores by traits that keep Q unscaled.
     float q_mul[kMaxItemHeads], s_mul[kMaxItemHeads];
@@ -183,7 +235,10 @@ struct FlashDecode {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
       const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
-      if (gather) gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk0, j0, nk, p.D, L.kv);
+      if (gather) {
+        count_path(p, &PathCounters::decode_gathered_blocks, 1);
+        gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk0, j0, nk, p.D, L.kv);
+      }
       bool any_head = false;
       for (int e = 0; e < nh; ++e) {
         const int64_t hk = hk0 + e;
@@ -191,9 +246,13 @@ struct FlashDecode {
         const float* q = L.q + e * M * L.ldq;
         if (gather)
           Ops::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
-                         int(M), s, L.lds);
+                         int(M), s, L.lds, DecodePrefetch{});
         else
-          Ops::decode_qk(k_row<KV>(p, b, hk, j0), p.k_sl, nk, int(p.D), q, L.ldq, int(M), s, L.lds);
+          block_runs(p, ks, b, hk, j0, nk, nb, prefetch_every(p, false),
+                     [&](int64_t a, const KV* k, int n, const DecodePrefetch& pf) {
+                       Ops::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
+                                      L.lds, pf);
+                     });
         any[e] = false;
         for (int64_t r = 0; r < M; ++r) {
           const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
@@ -213,9 +272,17 @@ struct FlashDecode {
       if (gather) gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk0, j0, nk, p.Dv, L.kv);
       for (int e = 0; e < nh; ++e) {
         if (!any[e]) continue;
-        const KV* v = gather ? L.kv + e * p.v_sh : v_row<KV>(p, b, hk0 + e, j0);
-        Ops::decode_pv(v, gather ? span(p, p.v_sh, p.Dv) : p.v_sl, nk, int(p.Dv),
-                       L.s + e * M * L.lds, L.lds, int(M), L.acc + e * M * L.ldacc, L.ldacc);
+        const float* pe = L.s + e * M * L.lds;
+        float* acc = L.acc + e * M * L.ldacc;
+        if (gather)
+          Ops::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
+                         int(M), acc, L.ldacc, DecodePrefetch{});
+        else
+          block_runs(p, vs, b, hk0 + e, j0, nk, nb, prefetch_every(p, true),
+                     [&](int64_t a, const KV* v, int n, const DecodePrefetch& pf) {
+                       Ops::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
+                                      acc, L.ldacc, pf);
+                     });
       }
     }
     const int64_t ld_part = L.ldacc + 2;

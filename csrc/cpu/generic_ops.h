@@ -272,6 +272,16 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
     gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);                   \
   }
 
+// What the decode kernels prefetch while they read a block of K or V rows: for each row (the
+// part of it they read), the lines at byte offset `off` from it, one line per `every` bytes;
+// off 0: nothing. The caller points `off` at the same row of its next block, wherever its
+// cache keeps that (the rows that follow, or another page), so that block is on its way while
+// this one computes.
+struct DecodePrefetch {
+  int64_t off = 0;
+  int every = 64;
+};
+
 // The trait the decode path uses over K / V of storage type KV (a tier whose operand format
 // does not suit the short-query kernels specialises this to an fp32 trait).
 template <class Ops, class KV>
@@ -333,10 +343,11 @@ struct GenericOps {
 
 
   // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
-  // s[r*lds + j] = sum_d q[r*ldq + d] * k[j*ldk + d] for r < M, j < nk.
+  // s[r*lds + j] = sum_d q[r*ldq + d] * k[j*ldk + d] for r < M, j < nk. (The SIMD traits also
+  // prefetch as `pf` says; this one leaves it to the hardware.)
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
+                        float* s, int lds, const DecodePrefetch& = {}) {
     for (int j = 0; j < nk; ++j)
       for (int r = 0; r < M; ++r)
         s[int64_t(r) * lds + j] = Row::dot_row(q + int64_t(r) * ldq, k + j * ldk, D);
@@ -345,7 +356,7 @@ struct GenericOps {
   // acc[r*ldacc + d] += sum_j p[r*ldp + j] * v[j*ldv + d] for r < M, d < Dv.
   template <class T>
   static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc) {
+                        float* acc, int ldacc, const DecodePrefetch& = {}) {
     for (int j = 0; j < nk; ++j)
       for (int r = 0; r < M; ++r)
         Row::axpy_row(p[int64_t(r) * ldp + j], v + j * ldv, acc + int64_t(r) * ldacc, Dv);

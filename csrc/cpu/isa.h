@@ -40,16 +40,19 @@ struct RawCpuid {
   uint32_t leaf7_1_eax = 0;
   uint64_t xcr0 = 0;         // valid only when OSXSAVE is set
   bool amx_permitted = false;  // Linux arch_prctl(ARCH_GET_XCOMP_PERM) includes XTILEDATA
+  uint32_t l2_kib = 0;         // CPUID.80000006H:ECX[31:16], a core's L2 in KiB (0: not said)
 };
 
 // RawCpuid's fields, as a list (module.cpp reports them and reads fake ones).
 #define FLASHSDPA_RAW_CPUID_FIELDS(X) \
-  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted)
+  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted) \
+  X(l2_kib)
 
 struct CpuFeatures {
   bool x86 = false;
   uint32_t bits = 0;  // bit Feature::f: the CPU (or the OS) has f
   bool amx_permitted = false;
+  int64_t l2_bytes = 0;  // a core's L2 (0: the CPU does not say)
   // What the hardware + OS can run, per tier (independent of what is built).
   bool can_run[int(Isa::kCount)] = {};
   bool has(Feature f) const { return (bits >> int(f)) & 1u; }
@@ -65,6 +68,10 @@ std::string isa_names();
 RawCpuid read_cpuid();
 CpuFeatures decode_features(const RawCpuid& raw, bool is_x86);
 const CpuFeatures& host_features();  // read once
+
+// Split-KV decode: bytes of K rows (and of V rows) per block on a CPU with features f (the
+// rule and its reasons: isa.cpp; the host's: params.h's decode_block_bytes()).
+int64_t decode_block_bytes(const CpuFeatures& f);
 std::string cpu_brand();
 
 // The table rows, as data for the report.

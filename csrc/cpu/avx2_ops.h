@@ -313,7 +313,7 @@ struct Avx2Ops : GenericOps {
   // ---- short-query (decode) kernels ---------------------------------------------------------
   // s[r][j] = q_r . k_j for four keys x R query rows per pass: 4R accumulators, each key chunk
   // widened once for all R rows; a hadd tree turns a row's 4 accumulators into 4 dot products.
-  // R is bounded by the register file: 2 rows with AVX2's 16 registers, 4 with AVX-512VL's 32.
+  // R = 2 fits AVX2's 16 registers (the AVX-512 trait has its own, on zmm: qk_4keys16).
   template <class T, int R>
   static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q, int ldq, float* s,
                               int lds) {
@@ -383,21 +383,15 @@ struct Avx2Ops : GenericOps {
     return j;
   }
 
-  // Query rows in groups of kR (see qk_4keys).
-  template <int kR, class T>
-  static void decode_qk_rows(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                             int M, float* s, int lds, const DecodePrefetch& pf) {
-    const int j = qk_key_groups<kR>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
+  // Query rows in pairs (see qk_4keys).
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds, const DecodePrefetch& pf) {
+    const int j = qk_key_groups<2>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
       qk_4keys<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                          s + int64_t(r) * lds + j, lds);
     });
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
-  }
-
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& pf) {
-    decode_qk_rows<2>(k, ldk, nk, D, q, ldq, M, s, lds, pf);
   }
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).

@@ -22,14 +22,25 @@ inline __m512 load16(const bf16_t* p) {
 inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// 16 e4m3 bytes -> the values x 2^-8: load8(const e4m3_t*)'s steps on 16 lanes.
-inline __m512 e4m3_widen16(__m128i b) {
-  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
-  const __m256i x = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
-  const __m256i t = _mm256_add_epi16(x, _mm256_set1_epi16(0x80));
+// e4m3 bytes -> the fp16 bits of the values x 2^-8 (load8(const e4m3_t*)'s steps), on up to
+// 32 words at once.
+inline __m512i e4m3_fp16_bits(__m256i b) {
+  const __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8);
+  const __m512i x = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+  const __m512i t = _mm512_add_epi16(x, _mm512_set1_epi16(0x80));
   // x | (t & 0x4000): vpternlog's truth table for A | (B & C)
-  const __m256i h = _mm256_ternarylogic_epi32(x, t, _mm256_set1_epi16(0x4000), 0xF8);
-  return _mm512_cvtph_ps(h);
+  return _mm512_ternarylogic_epi32(x, t, _mm512_set1_epi16(0x4000), 0xF8);
+}
+// 16 e4m3 bytes -> the values x 2^-8.
+inline __m512 e4m3_widen16(__m128i b) {
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(e4m3_fp16_bits(_mm256_castsi128_si256(b))));
+}
+// 32 e4m3 bytes -> dims 0-15 and 16-31: the integer steps once for both halves (the widening is
+// most of an e4m3 decode kernel's instructions).
+inline void e4m3_widen32(const e4m3_t* p, __m512* lo, __m512* hi) {
+  const __m512i h = e4m3_fp16_bits(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  *lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  *hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
 inline __m512 load16(const e4m3_t* p) {
   return e4m3_widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -47,6 +58,17 @@ inline __m512 load16_partial(const e4m3_t* p, int n) {
 }
 inline __m512 load16_partial(const f16_t* p, int n) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(tail_mask16(n), p));
+}
+// C chunks of 16 elements from p, widened (e4m3 in pairs: e4m3_widen32).
+template <int C, class T>
+inline void load16s(const T* p, __m512* x) {
+  if constexpr (std::is_same<T, e4m3_t>::value && C % 2 == 0) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; c += 2) e4m3_widen32(p + 16 * c, &x[c], &x[c + 1]);
+  } else {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) x[c] = load16(p + 16 * c);
+  }
 }
 
 // The four sums of x0 .. x3 (each folded to 8 lanes, then a hadd tree).
@@ -263,49 +285,52 @@ struct Avx512Ops : Avx2Ops {
 
 
 
-  // Decode Q K^T: 4 query rows per pass (16 ymm accumulators fit AVX-512VL's 32 registers), so
-  // each chunk of 4 K rows is loaded and widened once for 4 rows instead of twice for 2 + 2.
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& pf) {
-    decode_qk_rows<4>(k, ldk, nk, D, q, ldq, M, s, lds, pf);
-  }
-
-  // Decode Q K^T over an e4m3 cache: its widening costs more than the FMAs it feeds, so 16 dims
-  // are widened at a time (zmm) instead of the 8 of qk_4keys: 4 keys x R query rows, 4R zmm
-  // accumulators, each reduced to its dot product by a fold and hadd tree.
-  template <int R>
-  static inline void qk_4keys_e4m3(const e4m3_t* k0, int64_t ldk, int D, const float* q, int ldq,
-                                   float* s, int lds) {
+  // Decode Q K^T on zmm: 4 keys x R (up to 4) query rows per pass, 4R zmm accumulators over 16
+  // dims at a time, each reduced to its dot product by a fold and hadd tree; each chunk of 4 K
+  // rows is loaded and widened once for all R rows. (On cores with full-width 512-bit FMA units
+  // this is half the FMA instructions of the AVX2 trait's 8-dim qk_4keys, and an e4m3 cache's
+  // widening, which costs more than the FMAs it feeds, is done on 16 lanes at once.)
+  template <class T, int R>
+  static inline void qk_4keys16(const T* k0, int64_t ldk, int D, const float* q, int ldq,
+                                float* s, int lds) {
     __m512 a[R][4];
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) a[i][u] = _mm512_setzero_ps();
-    const auto step = [&](int d, int t) {
-      __m512 x[4];
+    // C chunks of 16 dims from d (e4m3: 2, widened together), or one of t < 16 dims
+    const auto step = [&](auto chunks, int d, int t) {
+      constexpr int C = decltype(chunks)::value;
+      __m512 x[4][C];
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
-        x[u] = t == 16 ? load16(k0 + u * ldk + d) : load16_partial(k0 + u * ldk + d, t);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        const float* qi = q + int64_t(i) * ldq + d;
-        const __m512 qv = t == 16 ? _mm512_loadu_ps(qi) : _mm512_maskz_loadu_ps(tail_mask16(t), qi);
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; ++u) a[i][u] = _mm512_fmadd_ps(qv, x[u], a[i][u]);
+      for (int u = 0; u < 4; ++u) {
+        if (t == 16) load16s<C>(k0 + u * ldk + d, x[u]);
+        else x[u][0] = load16_partial(k0 + u * ldk + d, t);
       }
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i)
+#pragma GCC unroll 2
+        for (int c = 0; c < C; ++c) {
+          const float* qi = q + int64_t(i) * ldq + d + 16 * c;
+          const __m512 qv = t == 16 ? _mm512_loadu_ps(qi) : _mm512_maskz_loadu_ps(tail_mask16(t), qi);
+#pragma GCC unroll 4
+          for (int u = 0; u < 4; ++u) a[i][u] = _mm512_fmadd_ps(qv, x[u][c], a[i][u]);
+        }
     };
+    constexpr int kPair = std::is_same<T, e4m3_t>::value ? 2 : 1;
     int d = 0;
-    for (; d + 16 <= D; d += 16) step(d, 16);
-    if (d < D) step(d, D - d);
+    for (; d + 16 * kPair <= D; d += 16 * kPair) step(std::integral_constant<int, kPair>{}, d, 16);
+    for (; d + 16 <= D; d += 16) step(std::integral_constant<int, 1>{}, d, 16);
+    if (d < D) step(std::integral_constant<int, 1>{}, d, D - d);
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) _mm_storeu_ps(s + int64_t(i) * lds, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
   }
 
-  static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                        int M, float* s, int lds, const DecodePrefetch& pf) {
-    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const e4m3_t* k0, int r, int j) {
-      qk_4keys_e4m3<decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
+  template <class T>
+  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds, const DecodePrefetch& pf) {
+    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
+      qk_4keys16<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
                                            s + int64_t(r) * lds + j, lds);
     });
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
@@ -328,8 +353,7 @@ struct Avx512Ops : Avx2Ops {
       const T* vj = v + int64_t(j) * ldv + d0;
       if (prefetch) prefetch_row(vj, 16 * C * int(sizeof(T)), pf);
       __m512 x[C];
-#pragma GCC unroll 8
-      for (int u = 0; u < C; ++u) x[u] = load16(vj + 16 * u);
+      load16s<C>(vj, x);
 #pragma GCC unroll 6
       for (int r = 0; r < R; ++r) {
         const __m512 pj = _mm512_set1_ps(p[int64_t(r) * ldp + j]);

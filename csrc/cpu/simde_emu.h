@@ -72,11 +72,15 @@ inline void mask_storeu_epi16(void* mem, M k, V a) {
   for (int i = 0; i < N; ++i)
     if ((k >> i) & 1) m[i] = v[i];
 }
-inline simde__m512i cvtepu16_epi32(simde__m256i a) {
-  uint16_t v[16];
+// Zero extension of the lanes of a 256-bit vector to a 512-bit one (the two SIMDe resolves to
+// GCC's own, AVX512BW-only, builtins).
+template <class From, class To>
+inline simde__m512i zext_lanes(simde__m256i a) {
+  constexpr int N = 64 / int(sizeof(To));
+  From v[N];
   simde_memcpy(v, &a, sizeof(v));
-  uint32_t w[16];
-  for (int i = 0; i < 16; ++i) w[i] = v[i];
+  To w[N];
+  for (int i = 0; i < N; ++i) w[i] = v[i];
   simde__m512i r;
   simde_memcpy(&r, w, sizeof(r));
   return r;
@@ -112,7 +116,9 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 }  // namespace flashsdpa
 
 #undef _mm512_cvtepu16_epi32
-#define _mm512_cvtepu16_epi32(a) flashsdpa::emu::cvtepu16_epi32(a)
+#define _mm512_cvtepu16_epi32(a) flashsdpa::emu::zext_lanes<uint16_t, uint32_t>(a)
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16(a) flashsdpa::emu::zext_lanes<uint8_t, uint16_t>(a)
 #undef _mm512_cvtph_ps
 #define _mm512_cvtph_ps(a) flashsdpa::emu::cvtph_ps(a)
 #undef _mm512_maskz_loadu_ps

@@ -413,8 +413,10 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk, probes=Non
 
 def peak_for(pk, dtype):
     """The compute peak a dtype's rows are measured against: bf16 against the bf16 dot-product
-    peak where the CPU has one (vdpbf16ps), everything else against the fp32 FMA peak."""
-    if dtype == torch.bfloat16 and pk.get("bf16_dot_gflops"):
+    peak (vdpbf16ps) where its rows run on a tier that computes with it, everything else against
+    the fp32 FMA peak."""
+    if (dtype == torch.bfloat16 and pk.get("bf16_dot_gflops")
+            and flashsdpa.cpu_isa(dtype) in ("avx512_bf16", "amx")):
         return pk["bf16_dot_gflops"]
     return pk["fma_peak_gflops"]
 
@@ -470,8 +472,10 @@ def markdown(meta, rows):
     pk = meta.get("peak")
     peak_line = (f"machine peak (bench/peak.py, {pk['threads']} threads): FMA "
                  f"{pk['fma_peak_gflops']:.0f} GFLOP/s ({pk['fma_peak_isa']}), "
-                 + (f"bf16 dot {pk['bf16_dot_gflops']:.0f} GFLOP/s (vdpbf16ps: bfloat16 rows' "
-                    "% peak), " if pk.get("bf16_dot_gflops") else "")
+                 + (f"bf16 dot {pk['bf16_dot_gflops']:.0f} GFLOP/s (vdpbf16ps"
+                    + ("; bfloat16 rows' % peak" if meta["tiers"].get("bf16") in
+                       ("avx512_bf16", "amx") else "") + "), "
+                    if pk.get("bf16_dot_gflops") else "")
                  + "read "
                  f"{pk['read_gbs']:.1f} GB/s"
                  + (" (median of all probes; each row's % peak: the median over its timing "

@@ -64,6 +64,7 @@ py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
     d[flashsdpa::cpu::feature_name(Feature(i))] = f.has(Feature(i));
   d["amx_permitted"] = f.amx_permitted;
   d["l2_bytes"] = f.l2_bytes;
+  d["bf16_dot_slow"] = f.bf16_dot_slow;
   d["decode_block_bytes"] = flashsdpa::cpu::decode_block_bytes(f);
   py::list runnable;
   for (int i = 0; i < int(Isa::kCount); ++i)

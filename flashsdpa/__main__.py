@@ -53,6 +53,11 @@ def report():
                      f"ZMM={_yes(f['os_avx512'])} AMX tiles={_yes(f['os_amx'])}")
         lines.append(f"  Linux AMX permission (XTILEDATA): "
                      f"{'granted' if f['amx_permitted'] else 'not granted yet'}")
+        lines.append(f"  L2 per core: {f['l2_bytes'] // 1024 or '?'} KiB -> decode blocks of "
+                     f"{f['decode_block_bytes'] // 1024} KiB")
+        if f["bf16_dot_slow"] and f["avx512_bf16"]:
+            lines.append("  vdpbf16ps no faster than fp32 FMAs on this CPU (Intel): bfloat16 runs "
+                         "on the avx512 tier unless the cap names avx512_bf16")
     else:
         lines.append("  not x86: portable tier only")
     lines.append("")

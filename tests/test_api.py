@@ -89,6 +89,30 @@ def test_cpu_isa_is_a_runnable_built_tier():
         assert t["built"] and t["cpu_ok"]
 
 
+def test_bf16_tier_only_where_its_dot_product_is_fast():
+    """bfloat16 runs on avx512_bf16 where vdpbf16ps outruns fp32 FMAs (AMD), on the avx512 tier
+    on Intel cores (where it does not), unless FLASHSDPA_CPU_ISA names avx512_bf16."""
+    from flashsdpa import _isa
+    f = _C.cpu_features()
+    names = {t["name"]: t for t in _C.tiers()}
+    if not (f["avx512_bf16"] and names["avx512_bf16"]["built"] and names["avx512_bf16"]["cpu_ok"]):
+        pytest.skip("this CPU or build has no avx512_bf16 tier")
+    chosen = flashsdpa.cpu_isa(torch.bfloat16)
+    if chosen != "amx":
+        assert chosen == ("avx512" if f["bf16_dot_slow"] else "avx512_bf16")
+    with _isa.cap("avx512_bf16"):
+        assert flashsdpa.cpu_isa(torch.bfloat16) == "avx512_bf16"
+    assert flashsdpa.cpu_isa(torch.float32) != "avx512_bf16"
+
+
+@pytest.mark.parametrize("vendor,slow", [(0x756e6547, True), (0x68747541, False), (0, False)],
+                         ids=["GenuineIntel", "AuthenticAMD", "unknown"])
+def test_bf16_dot_slow_from_the_vendor(vendor, slow):
+    f = _testing.decode_features(dict(SPR, vendor_ebx=vendor))
+    assert f["bf16_dot_slow"] == slow
+    assert "avx512_bf16" in f["runnable_tiers"]  # still runnable: only the preference changes
+
+
 def _run_python(code, env_extra):
     env = dict(os.environ, **env_extra)
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

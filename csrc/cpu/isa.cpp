@@ -122,6 +122,8 @@ RawCpuid read_cpuid() {
 #if defined(FLASHSDPA_X86)
   unsigned a, b, c, d;
   r.max_leaf = __get_cpuid_max(0, nullptr);
+  __cpuid(0, a, b, c, d);
+  r.vendor_ebx = b;
   if (r.max_leaf >= 1) {
     __cpuid_count(1, 0, a, b, c, d);
     r.leaf1_ecx = c;
@@ -169,6 +171,12 @@ CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
 #include "tiers.def"
   f.amx_permitted = r.amx_permitted;
   f.l2_bytes = int64_t(r.l2_kib) * 1024;
+  // Intel cores issue vdpbf16ps at half the rate of their two 512-bit FMA pipes' work or less
+  // (bench/peak.py on an Emerald Rapids: 171 GFLOP/s against 348 for fp32 FMAs; the tier's
+  // bf16 forward, backward and decode ran 1.1-1.9x slower there than the avx512 tier's,
+  // which widens bf16 to fp32); AMD's Zen 4 runs it at twice the FMA rate.
+  constexpr uint32_t kGenu = 0x756e6547u;  // "Genu"ineIntel
+  f.bf16_dot_slow = r.vendor_ebx == kGenu;
   // A tier needs its own row's features and those of every row above it. (The AMX permission
   // can still be requested at first use, so it does not gate the tier here; the report shows
   // whether it is already granted.)
@@ -271,6 +279,9 @@ Isa selected_isa(DType dt, bool kv_e4m3) {
     if (kv_e4m3 && (Isa(i) == Isa::avx512_bf16 || Isa(i) == Isa::amx) &&
         !f.has(Feature::avx512_vbmi))
       continue;  // (Avx512Bf16E4m3Ops' byte tables)
+    // a slow vdpbf16ps: the avx512 tier is faster, unless FLASHSDPA_CPU_ISA names this tier
+    if (Isa(i) == Isa::avx512_bf16 && f.bf16_dot_slow && !(isa_cap_is_set() && isa_cap() == Isa(i)))
+      continue;
     return Isa(i);
   }
   return Isa::portable;

@@ -33,6 +33,7 @@ enum class Feature : int {
 // The raw words feature decoding looks at; tests feed fake ones through decode_features().
 struct RawCpuid {
   uint32_t max_leaf = 0;
+  uint32_t vendor_ebx = 0;   // CPUID.0:EBX, the vendor string's first 4 bytes ("Genu", "Auth")
   uint32_t leaf1_ecx = 0;    // OSXSAVE is bit 27
   uint32_t leaf7_ebx = 0;
   uint32_t leaf7_ecx = 0;
@@ -45,7 +46,7 @@ struct RawCpuid {
 
 // RawCpuid's fields, as a list (module.cpp reports them and reads fake ones).
 #define FLASHSDPA_RAW_CPUID_FIELDS(X) \
-  X(max_leaf) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted) \
+  X(max_leaf) X(vendor_ebx) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted) \
   X(l2_kib)
 
 struct CpuFeatures {
@@ -53,6 +54,8 @@ struct CpuFeatures {
   uint32_t bits = 0;  // bit Feature::f: the CPU (or the OS) has f
   bool amx_permitted = false;
   int64_t l2_bytes = 0;  // a core's L2 (0: the CPU does not say)
+  // vdpbf16ps does not outrun fp32 FMAs here, so bf16 runs faster widened to fp32 (isa.cpp)
+  bool bf16_dot_slow = false;
   // What the hardware + OS can run, per tier (independent of what is built).
   bool can_run[int(Isa::kCount)] = {};
   bool has(Feature f) const { return (bits >> int(f)) & 1u; }

@@ -63,10 +63,14 @@ void choose_blocks(const AttnParams& p, const CpuTier& tier, int bq_max, int for
   pol->bk = int(bk);
 }
 
-KernelPolicy base_policy(const AttnParams& p) {
+// light_decode: a decode call with at most two query rows per kv head (the tier choice's one
+// call-dependent condition, isa.cpp).
+KernelPolicy base_policy(const AttnParams& p, bool decode = false) {
   KernelPolicy pol{};
-  pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3);
-  pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3);
+  const bool light = decode && (p.Hq / std::max<int64_t>(p.Hkv, 1)) * p.Lq <= 2;
+  pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3, light);
+  pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3, light);
+  pol.decode = decode;
   return pol;
 }
 
@@ -74,9 +78,9 @@ KernelPolicy base_policy(const AttnParams& p) {
 
 KernelPolicy plan_forward(const AttnParams& p, bool record) {
   const PolicyOverride o = current_override();
-  KernelPolicy pol = base_policy(p);
+  KernelPolicy pol =
+      base_policy(p, p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq));
   const CpuTier& tier = *pol.tier;
-  pol.decode = p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq);
   // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
   const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
                      p.win_left < 0 && p.win_right < 0 && p.softcap == 0.0f && !p.alibi &&

@@ -100,6 +100,12 @@ def test_bf16_tier_only_where_its_dot_product_is_fast():
     chosen = flashsdpa.cpu_isa(torch.bfloat16)
     if chosen != "amx":
         assert chosen == ("avx512" if f["bf16_dot_slow"] else "avx512_bf16")
+        # ... but a bf16 cache's decode with one or two query rows per kv head (MHA) keeps it
+        for hkv, want in ((8, "avx512_bf16"), (2, chosen)):
+            q = torch.randn(1, 1, 8, 64).bfloat16()
+            kv = torch.randn(1, 300, hkv, 64).bfloat16()
+            flashsdpa.flash_attn_with_kvcache(q, kv, kv)
+            assert _C.testing.last_policy()["tier"] == want, hkv
     with _isa.cap("avx512_bf16"):
         assert flashsdpa.cpu_isa(torch.bfloat16) == "avx512_bf16"
     assert flashsdpa.cpu_isa(torch.float32) != "avx512_bf16"

@@ -102,15 +102,23 @@ struct FlashDecode {
     if (p.page_size == 0) return r + j * s.sl;
     return r + int64_t(p.block_table[j / p.page_size]) * s.spage + j % p.page_size * s.sl;
   }
+  // How far ahead (keys) the prefetches run: V the next block's same keys; K at most
+  // kKAheadKeys, so that an item's first K block, which nothing prefetched, is covered after its
+  // first keys (with long blocks, one kv head per item, that block is a large share of an item).
+  static constexpr int64_t kKAheadKeys = 64;
+  static int64_t ahead(const AttnParams& p, bool v) {
+    return v ? block_keys(p) : min64(block_keys(p), kKAheadKeys);
+  }
+
   // The keys [j0, j0 + nk) of a block in runs f(a, r, n, pf) of keys a .. a + n - 1 with
-  // equally spaced rows, the first at r (one run unless paged); pf prefetches the same keys of
-  // the next block, nb on (none past the sequence's keys: the block table is read no further).
+  // equally spaced rows, the first at r (one run unless paged); pf prefetches the keys `dist`
+  // on (none past the sequence's keys: the block table is read no further).
   template <class F>
   static void block_runs(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j0,
-                         int nk, int64_t nb, int every, F&& f) {
+                         int nk, int64_t dist, int every, F&& f) {
     const auto pf_to = [&](const KV* r, int64_t a) {
-      if (a + nb >= p.Lk) return DecodePrefetch{0, every};
-      const char* t = reinterpret_cast<const char*>(row_at(p, s, b, hk, a + nb));
+      if (a + dist >= p.Lk) return DecodePrefetch{0, every};
+      const char* t = reinterpret_cast<const char*>(row_at(p, s, b, hk, a + dist));
       return DecodePrefetch{t - reinterpret_cast<const char*>(r), every};
     };
     if (p.page_size == 0) {
@@ -120,7 +128,7 @@ struct FlashDecode {
     const int64_t ps = p.page_size;
     for (int64_t a = j0; a < j0 + nk;) {
       int64_t n = min64(j0 + nk - a, ps - a % ps);
-      if (a + nb < p.Lk) n = min64(n, ps - (a + nb) % ps);  // the target rows in one page too
+      if (a + dist < p.Lk) n = min64(n, ps - (a + dist) % ps);  // the target rows in one page too
       const KV* r = row_at(p, s, b, hk, a);
       f(a, r, int(n), pf_to(r, a));
       a += n;
@@ -248,7 +256,7 @@ struct FlashDecode {
           Ops::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
                          int(M), s, L.lds, DecodePrefetch{});
         else
-          block_runs(p, ks, b, hk, j0, nk, nb, prefetch_every(p, false),
+          block_runs(p, ks, b, hk, j0, nk, ahead(p, false), prefetch_every(p, false),
                      [&](int64_t a, const KV* k, int n, const DecodePrefetch& pf) {
                        Ops::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
                                       L.lds, pf);
@@ -278,7 +286,7 @@ struct FlashDecode {
           Ops::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
                          int(M), acc, L.ldacc, DecodePrefetch{});
         else
-          block_runs(p, vs, b, hk0 + e, j0, nk, nb, prefetch_every(p, true),
+          block_runs(p, vs, b, hk0 + e, j0, nk, ahead(p, true), prefetch_every(p, true),
                      [&](int64_t a, const KV* v, int n, const DecodePrefetch& pf) {
                        Ops::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
                                       acc, L.ldacc, pf);

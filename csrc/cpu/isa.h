@@ -101,9 +101,10 @@ bool isa_cap_is_set();
 
 // The tier that runs for dtype dt: the highest built tier <= cap that the host can run and that
 // implements dt (with kv_e4m3, a float8_e4m3fn KV cache: the bf16 tiers read one with
-// AVX512_VBMI byte tables, so they need that too). Never null (portable is always built).
-Isa selected_isa(DType dt, bool kv_e4m3 = false);
-const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false);
+// AVX512_VBMI byte tables, so they need that too; light_decode: a split-KV decode call with one
+// or two query rows per kv head, see isa.cpp). Never null (portable is always built).
+Isa selected_isa(DType dt, bool kv_e4m3 = false, bool light_decode = false);
+const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false, bool light_decode = false);
 
 // Test hook: run the emulated build of a tier for the dtypes it implements, whatever the CPU;
 // the other dtypes keep the normal choice. Throws if that emulation is not compiled in.

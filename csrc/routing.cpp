@@ -366,7 +366,8 @@ std::string invalid_argument(const Call& c) {
       return c10::str("flashsdpa: key heads (", hk, ") must match value heads (",
                       c.v.sym_size(1), ")");
     if (c.enable_gqa) {
-      if (!(holds(hk > 0) && holds(hq % hk == 0)))
+      // (zero query and key heads: an empty output, as PyTorch gives)
+      if (!((holds(hk > 0) && holds(hq % hk == 0)) || (holds(hq == 0) && holds(hk == 0))))
         return c10::str("flashsdpa: query heads (", hq, ") must be a multiple of key/value heads (",
                         hk, ") with enable_gqa=True");
     } else if (!(holds(hk == 1) || holds(hk == hq))) {

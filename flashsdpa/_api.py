@@ -211,7 +211,7 @@ def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants):
     tier = d["policy"]["tier"]
     built = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"] and dt in t["dtypes"]]
     width = "fp32 in" if dt == "float32" else f"{dt} widened to fp32"
-    group = (query.shape[-3] // key.shape[-3]) if query.dim() == 4 else 1
+    group = (query.shape[-3] // max(key.shape[-3], 1)) if query.dim() == 4 else 1
     lines = [f"  runs: flashsdpa CPU kernel, tier '{tier}' (best of {built} for {dt}; "
              f"cap FLASHSDPA_CPU_ISA={_C.isa_cap() or 'unset'})",
              f"  dtype path: {width}, fp32 scores/softmax/accumulation, output rounded to "

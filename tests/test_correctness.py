@@ -2,6 +2,7 @@
 dtype, causal, GQA, Lq != Lk, Dv != D, strided / permuted / NaN-padded layouts, scale."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import flashsdpa
 from flashsdpa import _testing
@@ -133,6 +134,22 @@ def test_empty_sequences(tier, L, S):
     out.sum().backward()
     for t in (q, k, v):
         assert torch.equal(t.grad, torch.zeros_like(t)), "no keys/queries: zero gradients"
+
+
+def test_zero_heads_as_pytorch():
+    """No query and no key / value heads: an empty output and empty gradients, as PyTorch gives
+    (routed, direct and explained), not an error."""
+    q, k = (torch.randn(2, 0, 10, 64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 0, 10, 32, requires_grad=True)
+    want = F.scaled_dot_product_attention(q, k, v)
+    with flashsdpa.enabled():
+        routed = F.scaled_dot_product_attention(q, k, v)
+    direct = flashsdpa.scaled_dot_product_attention(q, k, v)
+    for out in (routed, direct):
+        assert out.shape == want.shape == (2, 0, 10, 32)
+        out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+    assert "flashsdpa" in flashsdpa.explain(q, k, v)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)

@@ -411,12 +411,16 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk, probes=Non
     return out
 
 
+# The tiers that compute bf16 on vdpbf16ps (or tiles): their bf16 rows' peak is the bf16 dot one.
+BF16_DOT_TIERS = ("avx512_bf16", "amx")
+
+
 def peak_for(pk, dtype):
     """The compute peak a dtype's rows are measured against: bf16 against the bf16 dot-product
     peak (vdpbf16ps) where its rows run on a tier that computes with it, everything else against
     the fp32 FMA peak."""
     if (dtype == torch.bfloat16 and pk.get("bf16_dot_gflops")
-            and flashsdpa.cpu_isa(dtype) in ("avx512_bf16", "amx")):
+            and flashsdpa.cpu_isa(dtype) in BF16_DOT_TIERS):
         return pk["bf16_dot_gflops"]
     return pk["fma_peak_gflops"]
 
@@ -474,7 +478,7 @@ def markdown(meta, rows):
                  f"{pk['fma_peak_gflops']:.0f} GFLOP/s ({pk['fma_peak_isa']}), "
                  + (f"bf16 dot {pk['bf16_dot_gflops']:.0f} GFLOP/s (vdpbf16ps"
                     + ("; bfloat16 rows' % peak" if meta["tiers"].get("bf16") in
-                       ("avx512_bf16", "amx") else "") + "), "
+                       BF16_DOT_TIERS else "") + "), "
                     if pk.get("bf16_dot_gflops") else "")
                  + "read "
                  f"{pk['read_gbs']:.1f} GB/s"

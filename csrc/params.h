@@ -139,6 +139,15 @@ struct PathCounters {
   std::atomic<int64_t> decode_gathered_blocks{0};  // of those, from a paged cache copied first
 };
 
+// Split-KV decode folds the query rows of every query head sharing a kv head into one block:
+// (Hq / Hkv) * Lq rows. One or two (MHA decode) is light: little compute per byte read, which
+// the V prefetch density (flash_decode.h) and, where vdpbf16ps is slow, the tier (isa.cpp) follow.
+// (static: one copy per translation unit, so no tier's -m flags reach a portable caller)
+static inline int64_t decode_rows(const AttnParams& p) {
+  return p.Hq / (p.Hkv > 0 ? p.Hkv : 1) * p.Lq;
+}
+static inline bool light_decode(const AttnParams& p) { return decode_rows(p) <= 2; }
+
 namespace cpu {
 // Split-KV decode: bytes of K rows (and of V rows) per block, decided once from the host's L2
 // (isa.cpp, which tier code cannot include: its tier table redefines the tier macros).

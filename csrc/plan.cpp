@@ -63,11 +63,11 @@ void choose_blocks(const AttnParams& p, const CpuTier& tier, int bq_max, int for
   pol->bk = int(bk);
 }
 
-// light_decode: a decode call with at most two query rows per kv head (the tier choice's one
+// decode: the call takes the split-KV decode path (light ones are the tier choice's one
 // call-dependent condition, isa.cpp).
 KernelPolicy base_policy(const AttnParams& p, bool decode = false) {
   KernelPolicy pol{};
-  const bool light = decode && (p.Hq / std::max<int64_t>(p.Hkv, 1)) * p.Lq <= 2;
+  const bool light = decode && light_decode(p);
   pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3, light);
   pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3, light);
   pol.decode = decode;

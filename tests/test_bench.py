@@ -49,7 +49,7 @@ def test_bench_tiny_run(tmp_path, mode):
         # and counted 64 FLOP an instruction, not a ratio.
         assert pk["bf16_dot_gflops"] > 0.3 * pk["fma_peak_gflops"], pk
         if mode != "decode":
-            bf16_dot = data["meta"]["tiers"]["bf16"] in ("avx512_bf16", "amx")
+            bf16_dot = data["meta"]["tiers"]["bf16"] in bench_sdpa.BF16_DOT_TIERS
             for r in data["rows"]:
                 rate = (pk["bf16_dot_gflops"] if r["dtype"] == "bfloat16" and bf16_dot
                         else pk["fma_peak_gflops"])

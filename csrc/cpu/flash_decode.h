@@ -36,7 +36,7 @@ struct FlashDecode {
   // never depend on the thread count.
   static constexpr int64_t kTargetItems = 64;
 
-  static int64_t rows(const AttnParams& p) { return (p.Hq / p.Hkv) * p.Lq; }
+  static int64_t rows(const AttnParams& p) { return decode_rows(p); }
 
   // Caches laid out (.., L, Hkv, D) (flash-attn's, paged or not: the kv heads of a key side by
   // side) are read as whole key rows: one item takes every kv head of its keys, block by block
@@ -74,11 +74,11 @@ struct FlashDecode {
     return max64(1, ceil_div(span_end(p) - span_begin(p), split_len(p)));
   }
 
-  // Prefetches (DecodePrefetch, bytes apart in a row): K rows one per line; V rows too, but for
-  // one or two query rows (MHA decode: light compute per byte) one per fourth line, as the
-  // hardware streamer follows the software prefetches and fetches the lines between, and fewer
-  // prefetch instructions let the loads run further ahead (sparser was slower with more rows).
-  static int prefetch_every(const AttnParams& p, bool v) { return v && rows(p) <= 2 ? 256 : 64; }
+  // Prefetches (DecodePrefetch, bytes apart in a row): K rows one per line; V rows too, but in
+  // light decode (light_decode: little compute per byte) one per fourth line, as the hardware
+  // streamer follows the software prefetches and fetches the lines between, and fewer prefetch
+  // instructions let the loads run further ahead (sparser was slower with more rows).
+  static int prefetch_every(const AttnParams& p, bool v) { return v && light_decode(p) ? 256 : 64; }
 
   // Paged caches are read in place, a run of keys within one page at a time, when pages hold
   // a multiple of 16 keys (runs long enough for the kernels' groups of keys and passes);
@@ -183,16 +183,13 @@ struct FlashDecode {
   static int64_t span(const AttnParams& p, int64_t sh, int64_t width) {
     return (heads_per_item(p) - 1) * sh + width;
   }
-  static void gather_rows(const AttnParams& p, const void* base, int64_t sl, int64_t spage,
-                          int64_t sh, int64_t hk0, int64_t j0, int n, int64_t width, KV* dst) {
-    const KV* t = static_cast<const KV*>(base) + hk0 * sh;
-    const auto row = [&](int64_t j) {
-      return t + int64_t(p.block_table[j / p.page_size]) * spage + (j % p.page_size) * sl;
-    };
-    const int64_t w = span(p, sh, width), bytes = w * int64_t(sizeof(KV));
+  static void gather_rows(const AttnParams& p, const Side& s, int64_t b, int64_t hk0, int64_t j0,
+                          int n, int64_t width, KV* dst) {
+    const auto row = [&](int64_t j) { return row_at(p, s, b, hk0, j); };
+    const int64_t w = span(p, s.sh, width), bytes = w * int64_t(sizeof(KV));
     for (int c = 0; c < n;) {
       const int64_t j = j0 + c;
-      const int run = sl == w ? int(min64(n - c, p.page_size - j % p.page_size)) : 1;
+      const int run = s.sl == w ? int(min64(n - c, p.page_size - j % p.page_size)) : 1;
       for (int64_t a = j + kGatherAhead; a < min64(j + kGatherAhead + run, p.Lk); ++a) {
         const char* r = reinterpret_cast<const char*>(row(a));
         for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off, 0, 2);
@@ -245,7 +242,7 @@ struct FlashDecode {
       count_path(p, &PathCounters::decode_blocks, 1);
       if (gather) {
         count_path(p, &PathCounters::decode_gathered_blocks, 1);
-        gather_rows(p, p.k, p.k_sl, p.k_spage, p.k_sh, hk0, j0, nk, p.D, L.kv);
+        gather_rows(p, ks, b, hk0, j0, nk, p.D, L.kv);
       }
       bool any_head = false;
       for (int e = 0; e < nh; ++e) {
@@ -277,7 +274,7 @@ struct FlashDecode {
         any_head |= any[e];
       }
       if (!any_head) continue;
-      if (gather) gather_rows(p, p.v, p.v_sl, p.v_spage, p.v_sh, hk0, j0, nk, p.Dv, L.kv);
+      if (gather) gather_rows(p, vs, b, hk0, j0, nk, p.Dv, L.kv);
       for (int e = 0; e < nh; ++e) {
         if (!any[e]) continue;
         const float* pe = L.s + e * M * L.lds;

@@ -171,10 +171,9 @@ CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
 #include "tiers.def"
   f.amx_permitted = r.amx_permitted;
   f.l2_bytes = int64_t(r.l2_kib) * 1024;
-  // Intel cores issue vdpbf16ps at half the rate of their two 512-bit FMA pipes' work or less
-  // (bench/peak.py on an Emerald Rapids: 171 GFLOP/s against 348 for fp32 FMAs; the tier's
-  // bf16 forward, backward and decode ran 1.1-1.9x slower there than the avx512 tier's,
-  // which widens bf16 to fp32); AMD's Zen 4 runs it at twice the FMA rate.
+  // Intel cores issue vdpbf16ps at no more than their fp32 FMA rate (bench/peak.py measures
+  // it), so widening bf16 to fp32 on the avx512 tier beats the avx512_bf16 tier there; AMD's
+  // Zen 4 runs it at twice the FMA rate.
   constexpr uint32_t kGenu = 0x756e6547u;  // "Genu"ineIntel
   f.bf16_dot_slow = r.vendor_ebx == kGenu;
   // A tier needs its own row's features and those of every row above it. (The AMX permission
@@ -197,8 +196,9 @@ const CpuFeatures& host_features() {
 // A decode item reads a block of K rows and then of V rows while the next block of each,
 // prefetched a block ahead, arrives: four blocks in flight, kept to half the core's L2 (the other
 // half for its scratch and what else runs): an eighth of L2 each. At least 32 KiB (a block must
-// still be many keys of compute ahead of DRAM latency), at most 128 KiB (larger blocks were
-// slower on a 2 MiB L2, no faster on 1 MiB); 1 MiB of L2 assumed where the CPU does not say.
+// still be many keys of compute ahead of DRAM latency), at most 128 KiB (a further prefetch
+// distance hides no more latency, and larger blocks only evict more); 1 MiB of L2 assumed where
+// the CPU does not say.
 int64_t decode_block_bytes(const CpuFeatures& f) {
   constexpr int64_t kLo = 32 << 10, kHi = 128 << 10;
   const int64_t b = (f.l2_bytes > 0 ? f.l2_bytes : int64_t(1) << 20) / 8;
@@ -280,10 +280,8 @@ Isa selected_isa(DType dt, bool kv_e4m3, bool light_decode) {
         !f.has(Feature::avx512_vbmi))
       continue;  // (Avx512Bf16E4m3Ops' byte tables)
     // A slow vdpbf16ps: the avx512 tier is faster, unless FLASHSDPA_CPU_ISA names this tier or
-    // the call is a bf16 cache's decode with one or two query rows per kv head (MHA), where
-    // the dot products are few per byte and pairing keys for vdpbf16ps costs fewer instructions
-    // than widening every element (A/B on the Emerald Rapids VM: the avx512 tier 1.09-1.20x
-    // slower there, 0.86x with four rows per kv head).
+    // the call is a bf16 cache's light decode (params.h), where the dot products are few per
+    // byte and pairing keys for vdpbf16ps costs fewer instructions than widening every element.
     if (Isa(i) == Isa::avx512_bf16 && f.bf16_dot_slow && !(light_decode && !kv_e4m3) &&
         !(isa_cap_is_set() && isa_cap() == Isa(i)))
       continue;

@@ -3,7 +3,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEPS   := torch==2.13.0 triton==3.7.1 numpy pybind11 ninja pytest
+DEPS   := torch==2.13.0 triton==3.7.1 numpy pybind11 ninja pytest transformers==5.24.0 matplotlib
 STAMP  := $(VENV)/.deps-installed
 BENCH_ARGS ?=
 

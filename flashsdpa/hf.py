@@ -132,8 +132,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     B, Lq = query.shape[0], query.shape[2]
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, L, H, D)
 
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return _masked(query, key, value, attention_mask[..., :key.shape[2]], p, variants), None
+    if attention_mask is not None and attention_mask.dim() == 4:  # windows already inside it
+        mask = attention_mask[..., :key.shape[2]]
+        return _masked(query, key, value, mask, p, dict(variants, window_size=(-1, -1))), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is None and cu_q is None and key.shape[2] == Lq:
@@ -168,8 +169,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         visible = visible & (j <= i)
     if left >= 0:
         visible = visible & (j >= i - left) & (j <= i + window[1])
-    no_window = dict(variants, window_size=(-1, -1))
-    return _masked(query, key, value, visible, p, no_window), None
+    return _masked(query, key, value, visible, p, dict(variants, window_size=(-1, -1))), None
 
 
 def _masked(query, key, value, mask, p, variants):

@@ -64,9 +64,10 @@ bench-all: build
 	$(PY) bench/bench_paths.py
 	$(PY) bench/bench_sdpa.py --mode variants
 	$(PY) bench/bench_sdpa.py --mode serving
+	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16
 	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json \
 	  bench/results/decode.json bench/results/paths.json bench/results/variants.json \
-	  bench/results/serving.json \
+	  bench/results/serving.json bench/results/hf.json \
 	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)
 
 # A/B of the working tree against git revision BASE, both builds in one process, interleaved

@@ -13,7 +13,8 @@ default providers are "flashsdpa,torch" and rates are TFLOP/s (no CPU peak is me
 Modes (--mode): fwd (forward), train (forward + backward), decode (q_len 1 against a KV cache),
 variants (sliding window, softcap, ALiBi, sinks against PyTorch and FlexAttention: handed to
 bench/bench_variants.py), serving (KV-cache decode / chunked prefill, contiguous and paged, and
-varlen prefill: handed to bench/bench_serving.py); both with --dtypes, --repeats, --threads.
+varlen prefill: handed to bench/bench_serving.py), hf (Hugging Face models end to end:
+handed to bench/bench_hf.py); those three with --dtypes, --repeats, --threads.
 
 For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
 to last ~20 ms; the table shows medians, GFLOP/s (GB/s of K+V for decode), the speedup against
@@ -514,7 +515,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
-    ap.add_argument("--mode", choices=["fwd", "train", "decode", "variants", "serving"],
+    ap.add_argument("--mode", choices=["fwd", "train", "decode", "variants", "serving", "hf"],
                     default="fwd")
     ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     ap.add_argument("--providers", default=None,
@@ -532,7 +533,7 @@ def main(argv=None):
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
-    if args.mode in ("variants", "serving"):
+    if args.mode in ("variants", "serving", "hf"):
         import importlib
         return importlib.import_module(f"bench_{args.mode}").main(
             ["--dtypes", args.dtypes, "--repeats", str(args.repeats or 0),

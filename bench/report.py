@@ -10,6 +10,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_hf import markdown as hf_markdown  # noqa: E402
 from bench_paths import markdown as paths_markdown  # noqa: E402
 from bench_sdpa import markdown  # noqa: E402
 from bench_serving import markdown as serving_markdown  # noqa: E402
@@ -19,8 +20,10 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)",
           "paths": "Special paths, each against its alternative",
           "variants": "Attention variants (window, softcap, ALiBi, sinks)",
-          "serving": "Serving: KV-cache decode and prefill, paged caches, varlen batches"}
-RENDER = {"paths": paths_markdown, "variants": variants_markdown, "serving": serving_markdown}
+          "serving": "Serving: KV-cache decode and prefill, paged caches, varlen batches",
+          "hf": "Hugging Face transformers models (attn_implementation=\"fused_attention\")"}
+RENDER = {"paths": paths_markdown, "variants": variants_markdown, "serving": serving_markdown,
+          "hf": hf_markdown}
 
 
 def render(paths):

@@ -228,7 +228,8 @@ def markdown(meta, rows):
 
 
 def plot(rows, path):
-    """Speedup of fused_attention over each other provider, per model and case (PNG)."""
+    """Speedup of fused_attention over each other provider: one panel per case, a group of bars
+    per model and dtype (PNG). The training step's peers run the padded batch."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -236,19 +237,29 @@ def plot(rows, path):
     except ImportError:
         print("matplotlib is not installed: no plot")
         return None
-    others = sorted({p for r in rows for p in r["speedup"]})
-    labels = [f"{r['family']}\n{r['case']} {r['dtype']}" for r in rows]
-    width = 0.8 / max(1, len(others))
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 4))
-    for i, p in enumerate(others):
-        xs = [j + (i - (len(others) - 1) / 2) * width for j in range(len(rows))]
-        ax.bar(xs, [r["speedup"].get(p, 0) for r in rows], width, label=f"over {p}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), labels, fontsize=7)
-    ax.set_ylabel(f"{FUSED} speedup (x)")
-    ax.set_title("Hugging Face models on CPU: flashsdpa's fused_attention against "
-                 "eager / sdpa", fontsize=9)
-    ax.legend(fontsize=7)
+    cases = [c for c in CASES if any(r["case"] == c for r in rows)]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.8 * len(cases), 3.6), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        sel = [r for r in rows if r["case"] == case]
+        peers = sorted({p.replace(" padded", "") for r in sel for p in r["speedup"]},
+                       key=lambda p: (p != "eager", p))
+        width = 0.8 / len(peers)
+        for i, peer in enumerate(peers):
+            xs = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(sel))]
+            ys = [r["speedup"].get(peer, r["speedup"].get(f"{peer} padded", 0)) for r in sel]
+            label = f"over {peer}" + (" (padded batch)" if case == "train" else "")
+            ax.bar(xs, ys, width, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(sel)),
+                      [f"{r['family']}\n{short.get(r['dtype'], r['dtype'])}" for r in sel],
+                      fontsize=7)
+        ax.set_title({"prefill": "prefill", "decode": "decode tokens/s",
+                      "train": "training step (packed)"}[case], fontsize=9)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel(f"{FUSED} speedup (x)")
+    fig.suptitle("Hugging Face models on CPU: flashsdpa's fused_attention against eager / sdpa",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

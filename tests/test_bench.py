@@ -191,3 +191,28 @@ def test_bench_serving_tiny_run(tmp_path):
                 "flashsdpa", "flashsdpa paged", "flashsdpa fp8", "flashsdpa paged fp8"}
     assert set(rows[-1]["ms"]) == {"flashsdpa", "loop", "torch (padded)"}
     assert "| decode-batch:" in rendered_readme(tmp_path, out)
+
+
+def test_bench_hf_tiny_run(tmp_path):
+    """bench_hf.py (also bench_sdpa.py --mode hf): every family and case, the providers each
+    model accepts, logits checked against fp32 eager first, its table and plot."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_hf.py"), "--tiny",
+                          "--repeats", "1", "--dtypes", "fp32,bf16", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    import bench_hf
+    assert [(r["family"], r["dtype"], r["case"]) for r in rows] == [
+        (f, d, c) for f in bench_hf.FAMILIES for d in ("float32", "bfloat16")
+        for c in bench_hf.CASES]
+    for r in rows:
+        assert all(t > 0 for t in r["ms"].values())
+        sdpa = r["family"] in ("llama", "mistral")  # transformers refuses sdpa for the others
+        peers = {"eager", "sdpa"} if sdpa else {"eager"}
+        if r["case"] == "train":
+            peers = {f"{p} padded" for p in peers | {bench_hf.FUSED}}
+        assert set(r["speedup"]) == peers, r
+    assert (tmp_path / "hf.png").stat().st_size > 0
+    assert "| gemma2 (" in rendered_readme(tmp_path, out)

@@ -31,7 +31,7 @@ import torch
 
 from ._api import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 
-MIN_TRANSFORMERS = (5, 0)
+MIN_TRANSFORMERS = (4, 56)  # tested: 4.56.2, 4.57.6, 5.0.0, 5.24.0
 DEFAULT_NAME = "fused_attention"
 
 
@@ -70,21 +70,17 @@ def register(name=DEFAULT_NAME):
     return name
 
 
-def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                   attention_mask=None, use_vmap=False, **kwargs):
-    """The mask transformers builds for this backend: None (no padding: causality and windows
-    are arguments of the kernels), the 2-D padding mask cut to the last kv_length keys, or,
-    when the model combines the causal mask with mask functions of its own (use_vmap: e.g.
-    bidirectional image tokens), transformers' own boolean 4-D mask."""
+def attention_mask(*args, use_vmap=False, **kwargs):
+    """The mask transformers builds for this backend (its mask-interface signature, passed
+    through as given: it changed between versions): None (no padding: causality and windows are
+    arguments of the kernels) or the 2-D padding mask cut to the last kv_length keys, as for
+    flash-attn; or, when the model combines the causal mask with mask functions of its own
+    (use_vmap: e.g. bidirectional image tokens), transformers' own boolean 4-D mask."""
     from transformers import masking_utils
     if use_vmap:
-        return masking_utils.sdpa_mask(
-            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-            allow_is_causal_skip=False, use_vmap=True, **kwargs)
-    return masking_utils.flash_attention_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        kv_offset=kv_offset, attention_mask=attention_mask)
+        kwargs["allow_is_causal_skip"] = False
+        return masking_utils.sdpa_mask(*args, use_vmap=True, **kwargs)
+    return masking_utils.flash_attention_mask(*args, **kwargs)
 
 
 def _packed_seqlens(position_ids, length):

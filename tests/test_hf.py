@@ -303,3 +303,16 @@ def test_importing_flashsdpa_never_imports_transformers():
     code = ("import sys, flashsdpa, flashsdpa.hf; "
             "assert 'transformers' not in sys.modules, 'imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_compiled_model_equals_eager():
+    """torch.compile (not fullgraph: the padding and packing checks read tensor values, graph
+    breaks)."""
+    m = model("gemma2")
+    ids, mask = tokens(2, 20), padding(2, 20, "left")
+    ref = logits(m, "eager", ids, attention_mask=mask)
+    m.set_attn_implementation(NAME)
+    compiled = torch.compile(m)
+    with torch.no_grad():
+        out = compiled(ids, attention_mask=mask).logits
+    assert (out - ref)[mask.bool()].abs().max() <= 1e-4

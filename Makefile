@@ -9,7 +9,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean
+.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz
 
 all: test
 
@@ -47,6 +47,12 @@ build: $(EDITABLE) simde
 
 test: build
 	$(PY) -m pytest -q tests
+
+# The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
+FUZZ_CASES ?= 10000
+FUZZ_SEED ?= 0
+fuzz: build
+	$(PY) tests/fuzz_sdpa.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
 # The default microbenchmark: forward, public suite, fp32 + bf16, causal and not, vs PyTorch.
 bench: build

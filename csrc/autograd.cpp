@@ -69,6 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
     c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
+  const ForBackwardScope scope(needs_backward(q, k, v, sinks));
   auto res = FlashAttnFunction::apply(q, k, v, mask, dropout_p, is_causal, scale,
                                       FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
   return {res[0], res[1], res[2]};
@@ -122,6 +123,7 @@ struct FlashAttnVarlenFunction : public torch::autograd::Function<FlashAttnVarle
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, FLASHSDPA_VARLEN_PARAMS) {
+  const ForBackwardScope scope(needs_backward(q, k, v, sinks));
   auto res = FlashAttnVarlenFunction::apply(q, k, v, FLASHSDPA_VARLEN_ARGS);
   return {res[0], res[1], res[2]};
 }

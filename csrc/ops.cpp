@@ -189,6 +189,20 @@ at::Tensor output_like_query(const at::Tensor& q, int64_t Dv) {
   return at::empty({q.size(0), q.size(1), q.size(2), Dv}, q.options());
 }
 
+namespace {
+thread_local bool t_for_backward = false;
+}  // namespace
+
+ForBackwardScope::ForBackwardScope(bool on) : prev_(t_for_backward) { t_for_backward = on; }
+ForBackwardScope::~ForBackwardScope() { t_for_backward = prev_; }
+
+bool needs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const c10::optional<at::Tensor>& sinks) {
+  const bool grads = q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                     (sinks.has_value() && sinks->defined() && sinks->requires_grad());
+  return grads && (t_for_backward || at::GradMode::is_enabled());
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
@@ -221,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
-  const KernelPolicy pol = plan_forward(p);
+  const KernelPolicy pol = plan_forward(p, true, needs_backward(query, key, value, sinks));
   if (out.numel() > 0) run_forward(p, pol);
   return {out, lse, rng};
 }
@@ -239,7 +253,7 @@ std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at:
               mask4, dropout_p, is_causal, scale);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
-  const KernelPolicy pol = plan_forward(p, /*record=*/false);
+  const KernelPolicy pol = plan_forward(p, /*record=*/false, needs_backward(q, k, v, sinks));
   return {pol, forward_event(pol, p.dtype)};
 }
 
@@ -484,7 +498,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
     seg.push_back(segment(base, vl, s, q.element_size()));
   }
   if (!seg.empty()) {
-    const KernelPolicy pol = plan_forward(largest(seg));
+    const KernelPolicy pol =
+        plan_forward(largest(seg), true, needs_backward(query, key, value, sinks));
     run_forward_segments(seg.data(), int64_t(seg.size()), pol);
   }
   return {out, lse, rng};

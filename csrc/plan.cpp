@@ -76,10 +76,10 @@ KernelPolicy base_policy(const AttnParams& p, bool decode = false) {
 
 }  // namespace
 
-KernelPolicy plan_forward(const AttnParams& p, bool record) {
+KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   const PolicyOverride o = current_override();
-  KernelPolicy pol =
-      base_policy(p, p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq));
+  KernelPolicy pol = base_policy(
+      p, p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq && !for_backward));
   const CpuTier& tier = *pol.tier;
   // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
   const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&

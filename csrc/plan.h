@@ -27,7 +27,10 @@ struct KernelPolicy {
 // and causal filled in); records it as this thread's last_policy().
 // (record = false: explain() asking, not a call). A call of many segments (driver.h,
 // run_forward_segments) takes the policy of its largest segment.
-KernelPolicy plan_forward(const AttnParams& p, bool record = true);
+// for_backward: a backward will recompute P from this forward's logsumexp, which the split-KV
+// decode path does not reproduce closely enough (its scores are scaled in another order): such
+// forwards take the prefill kernels.
+KernelPolicy plan_forward(const AttnParams& p, bool record = true, bool for_backward = false);
 // Whether packing K^T / V once pays for the call (or segment) p under pol's blocks: each kv
 // block is read by more than one q block (several per head, or several query heads per kv head).
 // (A forced prepack overrides it.)

@@ -38,10 +38,32 @@ namespace flashsdpa {
 
 namespace {
 
-// Routing code runs during torch.compile tracing on tensors with symbolic sizes: it reads
-// sizes as SymInts (never .size(), which would specialise a dynamic dimension) and branches
-// through guards.
-inline bool holds(const c10::SymBool& b) { return b.guard_bool(__FILE__, __LINE__); }
+// Routing code runs during torch.compile / torch.export tracing on tensors with symbolic sizes:
+// it reads sizes as SymInts (never .size(), which would specialise a dynamic dimension) and
+// branches through guards that never fail on data-dependent (unbacked) sizes: holds(b) is true
+// when b is known to hold, may(b) unless b is known not to. Validation rejects only what may()
+// rules out; what it lets through is checked again by the kernels' ops on real sizes.
+// (SymInt's own ==, !=, > guard and return bool: compare with eq / ne / gt.)
+inline bool holds(const c10::SymBool& b) { return b.guard_or_false(__FILE__, __LINE__); }
+inline bool may(const c10::SymBool& b) { return b.guard_or_true(__FILE__, __LINE__); }
+bool holds(bool) = delete;  // a bool here has already guarded
+bool may(bool) = delete;
+inline c10::SymBool eq(const c10::SymInt& a, const c10::SymInt& b) { return a.sym_eq(b); }
+inline c10::SymBool ne(const c10::SymInt& a, const c10::SymInt& b) { return a.sym_ne(b); }
+inline c10::SymBool gt(const c10::SymInt& a, const c10::SymInt& b) { return a.sym_gt(b); }
+
+// PyTorch's kernel chooser (at::_fused_sdp_choice) divides the query heads by the key heads
+// of 4-D calls with enable_gqa (SIGFPE when there are none): not asked about those.
+bool chooser_safe(const Call& c) {
+  return !c.enable_gqa || c.k.dim() != 4 || c.v.dim() != 4 ||
+         (holds(gt(c.k.sym_size(1), 0)) && holds(gt(c.v.sym_size(1), 0)));
+}
+
+// The batch of a 4-D call: q, k and v broadcast over it (each has it or 1), as F.sdpa does.
+c10::SymInt batch_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (q.dim() != 4 || !holds(eq(q.sym_size(0), 1))) return q.sym_size(0);
+  return holds(eq(k.sym_size(0), 1)) ? v.sym_size(0) : k.sym_size(0);
+}
 
 std::string torch_dtype_name(at::ScalarType st) {
   return "torch." + std::string(c10::getDtypeNames(st).first);
@@ -103,16 +125,21 @@ std::vector<std::string> not_supported(const BackendSpec& s, const Call& c) {
     r.push_back("ranks query " + std::to_string(c.q.dim()) + "-D, key " +
                 std::to_string(c.k.dim()) + "-D, value " + std::to_string(c.v.dim()) +
                 "-D: kernels take 3-D or 4-D query/key/value of the same rank");
-  } else if (c.q.dim() == 3 && (holds(c.k.sym_size(0) != c.q.sym_size(0)) ||
-                                holds(c.v.sym_size(0) != c.q.sym_size(0)))) {
+  } else if (c.q.dim() == 3 && (holds(ne(c.k.sym_size(0), c.q.sym_size(0))) ||
+                                holds(ne(c.v.sym_size(0), c.q.sym_size(0))))) {
     r.push_back("3-D inputs with a broadcast batch");
   }
-  if (holds(c.q.sym_size(-1) == 0) || holds(c.v.sym_size(-1) == 0)) {
+  if (holds(eq(c.q.sym_size(-1), 0)) || holds(eq(c.v.sym_size(-1), 0))) {
     r.push_back("head_dim 0");
-  } else if (holds(c.q.sym_size(-1) > s.max_head_dim) || holds(c.v.sym_size(-1) > s.max_head_dim)) {
+  } else if (holds(gt(c.q.sym_size(-1), s.max_head_dim)) ||
+             holds(gt(c.v.sym_size(-1), s.max_head_dim))) {
     r.push_back("head dim above " + std::to_string(s.max_head_dim) + " (" + s.name + ")");
   }
   if (c.dropout_p >= 1.0) r.push_back("dropout_p == 1 (the output is all zeros)");
+  // The kernels scale the scores by scale * log2(e) in float32: beyond this, scores overflow
+  // where PyTorch's do not (and a scale past float32's range would become inf there).
+  if (c.scale.has_value() && !(std::abs(*c.scale) <= 1e30))
+    r.push_back("|scale| above 1e30, or not finite: the scores would overflow differently");
   if (has_mask(c) && c.mask->requires_grad() && at::GradMode::is_enabled())
     r.push_back("attn_mask requires grad: flashsdpa computes no mask gradient");
   if (!s.variants && c.variants())
@@ -300,17 +327,18 @@ std::string invalid_variant(const Call& c) {
                     "unbounded), got (", c.window_left, ", ", c.window_right, ")");
   if (!(c.softcap >= 0.0) || c.softcap == std::numeric_limits<double>::infinity())
     return c10::str("flashsdpa: softcap must be finite and >= 0 (0: none), got ", c.softcap);
-  // per query head: H = q's heads (1 for 3-D inputs), B its batch
-  const c10::SymInt B = c.q.sym_size(0), H = c.q.dim() == 4 ? c.q.sym_size(1) : c10::SymInt(1);
+  // per query head: H = q's heads (1 for 3-D inputs), B the call's batch
+  const c10::SymInt B = batch_of(c.q, c.k, c.v);
+  const c10::SymInt H = c.q.dim() == 4 ? c.q.sym_size(1) : c10::SymInt(1);
   const auto check = [&](const at::Tensor& t, const char* name, bool batched) -> std::string {
     if (t.scalar_type() != at::kFloat)
       return c10::str("flashsdpa: ", name, " must be float32, got ", t.scalar_type());
     if (t.device() != c.q.device())
       return c10::str("flashsdpa: ", name, " must be on query's device (", c.q.device(),
                       "), got ", t.device());
-    const bool heads = t.dim() == 1 && holds(t.sym_size(0) == H);
-    const bool both = batched && t.dim() == 2 && holds(t.sym_size(0) == B) &&
-                      holds(t.sym_size(1) == H);
+    const bool heads = t.dim() == 1 && may(eq(t.sym_size(0), H));
+    const bool both = batched && t.dim() == 2 && may(eq(t.sym_size(0), B)) &&
+                      may(eq(t.sym_size(1), H));
     if (!heads && !both)
       return c10::str("flashsdpa: ", name, " must have shape (H,) = (", H, ",)",
                       batched ? c10::str(" or (B, H) = (", B, ", ", H, ")") : std::string(),
@@ -347,30 +375,30 @@ std::string invalid_argument(const Call& c) {
                     st, ")");
   if (!(c.dropout_p >= 0.0 && c.dropout_p <= 1.0))
     return c10::str("flashsdpa: dropout_p must be in [0, 1], got ", c.dropout_p);
-  if (!holds(c.k.sym_size(-1) == c.q.sym_size(-1)))
+  if (!may(eq(c.k.sym_size(-1), c.q.sym_size(-1))))
     return c10::str("flashsdpa: key head_dim (", c.k.sym_size(-1), ") must match query head_dim (",
                     c.q.sym_size(-1), ")");
-  if (!holds(c.k.sym_size(-2) == c.v.sym_size(-2)))
+  if (!may(eq(c.k.sym_size(-2), c.v.sym_size(-2))))
     return c10::str("flashsdpa: key seq_len (", c.k.sym_size(-2), ") must match value seq_len (",
                     c.v.sym_size(-2), ")");
   if (c.q.dim() == 4 && c.k.dim() == 4 && c.v.dim() == 4) {
-    const c10::SymInt B = c.q.sym_size(0);
-    for (int i = 1; i < 3; ++i) {
+    const c10::SymInt B = batch_of(c.q, c.k, c.v);
+    for (int i = 0; i < 3; ++i) {
       const c10::SymInt b = ts[i]->sym_size(0);
-      if (!(holds(b == 1) || holds(b == B)))
+      if (!(may(eq(b, 1)) || may(eq(b, B))))
         return c10::str("flashsdpa: ", names[i], " batch size (", b,
-                        ") must match query batch size (", B, ")");
+                        ") must be 1 or the batch size of the others (", B, ")");
     }
     const c10::SymInt hq = c.q.sym_size(1), hk = c.k.sym_size(1);
-    if (!holds(hk == c.v.sym_size(1)))
+    if (!may(eq(hk, c.v.sym_size(1))))
       return c10::str("flashsdpa: key heads (", hk, ") must match value heads (",
                       c.v.sym_size(1), ")");
     if (c.enable_gqa) {
       // (zero query and key heads: an empty output, as PyTorch gives)
-      if (!((holds(hk > 0) && holds(hq % hk == 0)) || (holds(hq == 0) && holds(hk == 0))))
+      if (!((may(gt(hk, 0)) && may(eq(hq % hk, 0))) || (holds(eq(hq, 0)) && holds(eq(hk, 0)))))
         return c10::str("flashsdpa: query heads (", hq, ") must be a multiple of key/value heads (",
                         hk, ") with enable_gqa=True");
-    } else if (!(holds(hk == 1) || holds(hk == hq))) {
+    } else if (!(may(eq(hk, 1)) || may(eq(hk, hq)))) {
       return c10::str("flashsdpa: query heads (", hq, ") differ from key/value heads (", hk,
                       "); pass enable_gqa=True for grouped-query attention");
     }
@@ -382,11 +410,12 @@ std::string invalid_argument(const Call& c) {
       return c10::str("flashsdpa: attn_mask.dtype must be bool, float32 or query.dtype (", st,
                       "), got ", mt);
     std::vector<c10::SymInt> target(c.q.sym_sizes().begin(), c.q.sym_sizes().end() - 1);
+    if (c.q.dim() == 4) target[0] = batch_of(c.q, c.k, c.v);
     target.push_back(c.k.sym_size(-2));
     bool ok = m.dim() <= int64_t(target.size());
     for (int64_t d = 1; ok && d <= m.dim(); ++d) {
       const c10::SymInt ms = m.sym_size(-d);
-      ok = holds(ms == 1) || holds(ms == target[target.size() - d]);
+      ok = may(eq(ms, 1)) || may(eq(ms, target[target.size() - d]));
     }
     if (!ok)
       return c10::str("flashsdpa: attn_mask of shape ", m.sym_sizes(),
@@ -464,6 +493,7 @@ Decision decide(const Call& c, Entry entry, bool routing_on) {
   } else if (!ctx.userEnabledFlashSDP()) {
     d.via = "PyTorch's SDPA: sdpa_kernel() excludes FLASH_ATTENTION, so flashsdpa stays out";
   } else if (!tracing(c.q) && c.q.dim() == 4 && c.k.dim() == 4 && c.v.dim() == 4 &&
+             chooser_safe(c) &&
              at::_fused_sdp_choice(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale,
                                    c.enable_gqa) == int64_t(at::SDPBackend::flash_attention)) {
     // Eager: what PyTorch sends to its fused kernel reaches flashsdpa's through the overridden
@@ -472,6 +502,9 @@ Decision decide(const Call& c, Entry entry, bool routing_on) {
     d.backend = flash.backend;
     d.via = flash.via;
     d.reasons[0] = flash.reasons[0];  // the override notes its own fallback
+  } else if (has_mask(c) && c.is_causal) {
+    // PyTorch's math path rejects an explicit mask with is_causal=True: its error, unchanged
+    d.via = "PyTorch's SDPA: an attn_mask with is_causal=True, which its math path rejects";
   } else if (d.reasons[int(Backend::CpuKernel)].empty()) {
     // What PyTorch would run on its math path (or, traced, any call the kernel takes: the graph
     // holds flashsdpa's own op)
@@ -488,8 +521,9 @@ std::string pytorch_kernel(const Call& c) {
   const bool cpu = c.q.device().is_cpu();
   int64_t choice = int64_t(at::SDPBackend::math);
   try {
-    choice = at::_fused_sdp_choice(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale,
-                                   c.enable_gqa);
+    if (chooser_safe(c))
+      choice = at::_fused_sdp_choice(c.q, c.k, c.v, c.mask, c.dropout_p, c.is_causal, c.scale,
+                                     c.enable_gqa);
   } catch (const c10::Error&) {  // the chooser rejects some inputs its math path accepts
   }
   switch (at::SDPBackend(choice)) {
@@ -515,10 +549,11 @@ Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     if (mask.has_value() && mask->defined() && mask->dim() == 3) s.mask = mask->unsqueeze(1);
     return s;
   }
-  const c10::SymInt B = q.sym_size(0);
+  const c10::SymInt B = batch_of(q, k, v);
   const c10::SymInt keep = -1;
-  if (holds(k.sym_size(0) != B)) s.k = k.expand_symint({B, keep, keep, keep});
-  if (holds(v.sym_size(0) != B)) s.v = v.expand_symint({B, keep, keep, keep});
+  if (holds(ne(q.sym_size(0), B))) s.q = q.expand_symint({B, keep, keep, keep});
+  if (holds(ne(k.sym_size(0), B))) s.k = k.expand_symint({B, keep, keep, keep});
+  if (holds(ne(v.sym_size(0), B))) s.v = v.expand_symint({B, keep, keep, keep});
   return s;
 }
 

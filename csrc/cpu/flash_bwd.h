@@ -113,7 +113,12 @@ struct FlashBackward {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
         any = true;
-        Ops::Row::exp2_row_sum(srow, w, *lse_ptr(p, b, h, i) * kLog2e);
+        // P = 2^(s - lse) <= 1. A row whose scores all sit at one huge constant (a finfo.min
+        // mask on every key) has an fp32 logsumexp that absorbed log(l) and, back in the log2
+        // domain, can land below the scores by far more than 1: no P above 1 (such rows get
+        // gradients up to l times too large, as with PyTorch's fused kernel, not overflow).
+        const float lse2 = *lse_ptr(p, b, h, i) * kLog2e;
+        Ops::Row::exp2_row_sum(srow, w, lse2 < mx ? mx : lse2);
       }
       for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);

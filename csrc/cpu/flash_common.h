@@ -90,7 +90,17 @@ inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
 }
 
 // ---- masks ---------------------------------------------------------------------------------------
-// dst[c] = log2(e) * mask[b, h, i, j0 + c] for c < n; bool masks give 0 (attend) or -inf.
+// A float mask value in the log2 domain. Finite values stay finite: PyTorch adds the mask in the
+// natural domain, where finfo.min (Hugging Face's fill value) is finite, so a row of nothing but
+// such values attends uniformly there; times log2(e) it would overflow to -inf (a masked row).
+// They saturate at +-kMaskLimit instead; infinities (and NaN) pass unchanged.
+constexpr float kMaskLimit = 2.35e38f;  // * log2(e) stays below FLT_MAX
+inline float mask_log2(float m) {
+  return (m > kMaskLimit ? kMaskLimit : m < -kMaskLimit && m != kNegInf ? -kMaskLimit : m) * kLog2e;
+}
+
+// dst[c] = log2(e) * mask[b, h, i, j0 + c] for c < n (mask_log2); bool masks give 0 (attend) or
+// -inf.
 inline void mask_row_log2(const AttnParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int n,
                           float* dst) {
   const int64_t base = b * p.m_sb + h * p.m_sh + i * p.m_sl + j0 * p.m_sk;
@@ -103,17 +113,17 @@ inline void mask_row_log2(const AttnParams& p, int64_t b, int64_t h, int64_t i, 
     }
     case MaskType::F32: {
       const float* m = static_cast<const float*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = m[c * sk] * kLog2e;
+      for (int c = 0; c < n; ++c) dst[c] = mask_log2(m[c * sk]);
       break;
     }
     case MaskType::BF16: {
       const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = bf16_to_f32(m[c * sk]) * kLog2e;
+      for (int c = 0; c < n; ++c) dst[c] = mask_log2(bf16_to_f32(m[c * sk]));
       break;
     }
     case MaskType::F16: {
       const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = f16_to_f32(m[c * sk]) * kLog2e;
+      for (int c = 0; c < n; ++c) dst[c] = mask_log2(f16_to_f32(m[c * sk]));
       break;
     }
     case MaskType::None:

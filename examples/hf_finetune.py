@@ -16,41 +16,28 @@ import argparse
 import time
 
 import torch
-import transformers
 from transformers import DataCollatorWithFlattening
 
 import flashsdpa.hf
-
-CONFIGS = {
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", dict(sliding_window=64)),
-    "gemma2": ("Gemma2Config", dict(sliding_window=64, attn_logit_softcapping=50.0,
-                                    query_pre_attn_scalar=64)),
-    "gptoss": ("GptOssConfig", dict(sliding_window=64, num_local_experts=4,
-                                    num_experts_per_tok=2)),
-}
+from tiny_models import FAMILIES, build
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", choices=CONFIGS, default="gemma2")
+    ap.add_argument("--family", choices=FAMILIES, default="gemma2")
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
 
     name = flashsdpa.hf.register()
-    cls, own = CONFIGS[args.family]
-    config = getattr(transformers, cls)(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, **own)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=name)
+    model = build(args.family, name)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 
     # a toy dataset: sequences of 16-200 tokens (a real one comes from a tokenizer)
     gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": torch.randint(3, config.vocab_size, (int(n),), generator=gen).tolist()}
+    vocab = model.config.vocab_size
+    data = [{"input_ids": torch.randint(3, vocab, (int(n),), generator=gen).tolist()}
             for n in torch.randint(16, 200, (8 * args.steps,), generator=gen)]
     for step in range(args.steps):
         batch = collate(data[8 * step: 8 * step + 8], return_tensors="pt")

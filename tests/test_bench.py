@@ -147,15 +147,19 @@ def test_bench_paths_bad_path_names_the_argument(tmp_path):
     assert res.returncode == 2 and "--paths: unknown path 'nope'" in res.stderr
 
 
+def tiny_rows(tmp_path, name, *args):
+    """bench/bench_<name>.py --tiny run in a subprocess: (its JSON path, its rows)."""
+    out = tmp_path / f"{name}.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, f"bench_{name}.py"), "--tiny",
+                          *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    return out, json.loads(out.read_text())["rows"]
+
+
 def test_bench_variants_tiny_run(tmp_path):
     """bench_variants.py (also bench_sdpa.py --mode variants): every case and mode, its peers
     checked against flashsdpa's output before timing, and its table through report.py."""
-    out = tmp_path / "variants.json"
-    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_variants.py"), "--tiny",
-                          "--repeats", "1", "--dtypes", "fp32", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    rows = json.loads(out.read_text())["rows"]
+    out, rows = tiny_rows(tmp_path, "variants", "--repeats", "1", "--dtypes", "fp32")
     import bench_variants
     assert [(r["case"], r["mode"]) for r in rows] == [
         (c, m) for c in bench_variants.CASES for m in ("fwd", "train")]
@@ -175,12 +179,8 @@ def test_bench_variants_tiny_run(tmp_path):
 def test_bench_serving_tiny_run(tmp_path):
     """bench_serving.py (also bench_sdpa.py --mode serving): every case, its providers checked
     against flashsdpa's output before timing, decode rows against the read probe, its table."""
-    out = tmp_path / "serving.json"
-    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_serving.py"), "--tiny",
-                          "--repeats", "2", "--dtypes", "bf16", "--peak-read-mib", "64",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    rows = json.loads(out.read_text())["rows"]
+    out, rows = tiny_rows(tmp_path, "serving", "--repeats", "2", "--dtypes", "bf16",
+                          "--peak-read-mib", "64")
     import bench_serving
     assert [r["case"] for r in rows] == list(bench_serving.CASES)
     for r in rows:
@@ -197,12 +197,7 @@ def test_bench_hf_tiny_run(tmp_path):
     """bench_hf.py (also bench_sdpa.py --mode hf): every family and case, the providers each
     model accepts, logits checked against fp32 eager first, its table and plot."""
     pytest.importorskip("transformers")
-    out = tmp_path / "hf.json"
-    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_hf.py"), "--tiny",
-                          "--repeats", "1", "--dtypes", "fp32,bf16", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
-    rows = json.loads(out.read_text())["rows"]
+    out, rows = tiny_rows(tmp_path, "hf", "--repeats", "1", "--dtypes", "fp32,bf16")
     import bench_hf
     assert [(r["family"], r["dtype"], r["case"]) for r in rows] == [
         (f, d, c) for f in bench_hf.FAMILIES for d in ("float32", "bfloat16")

@@ -9,7 +9,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz
+.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz stress
 
 all: test
 
@@ -53,6 +53,10 @@ FUZZ_CASES ?= 10000
 FUZZ_SEED ?= 0
 fuzz: build
 	$(PY) tests/fuzz_sdpa.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
+
+# Threads calling attention while another toggles enable()/disable(): results, crashes, RSS.
+stress: build
+	$(PY) tests/stress_toggle.py --seconds 300 --threads 8
 
 # The default microbenchmark: forward, public suite, fp32 + bf16, causal and not, vs PyTorch.
 bench: build

@@ -9,7 +9,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz stress
+.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz stress sanitize
 
 all: test
 
@@ -53,6 +53,22 @@ FUZZ_CASES ?= 10000
 FUZZ_SEED ?= 0
 fuzz: build
 	$(PY) tests/fuzz_sdpa.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
+
+# The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental;
+# native tiers only), and SANITIZE_TESTS run under it (libasan preloaded; Python's own leaks
+# are not reported). Any sanitizer report fails the run.
+SANITIZE_TESTS ?= tests/test_as_pytorch.py tests/test_api.py tests/test_masks.py \
+	tests/test_varlen.py tests/test_kvcache.py tests/test_errors.py tests/test_fuzz.py
+SAN_DIR := build-sanitize
+sanitize: $(EDITABLE)
+	mkdir -p $(SAN_DIR)
+	cp -a setup.py csrc flashsdpa kernels tests $(SAN_DIR)/
+	rm -f $(SAN_DIR)/flashsdpa/_C*.so
+	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 FLASHSDPA_NO_EMULATED=1 \
+	  ../$(PY) setup.py --quiet build_ext --inplace
+	cd $(SAN_DIR) && PYTHONPATH=$$PWD LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ../$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) -k "not emu-"
 
 # Threads calling attention while another toggles enable()/disable(): results, crashes, RSS.
 stress: build

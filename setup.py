@@ -60,6 +60,11 @@ def tier_builds():
 TIERS = tier_builds()
 
 COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+# FLASHSDPA_SANITIZE=1 (`make sanitize`): AddressSanitizer + UndefinedBehaviorSanitizer; the
+# process must preload libasan (the Makefile does).
+SANITIZE = os.environ.get("FLASHSDPA_SANITIZE") == "1"
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                  "-fno-sanitize-recover=undefined"] if SANITIZE else []
 # at::parallel_for is an inline template: it only runs in parallel in a translation unit compiled
 # with OpenMP (PyTorch's CPU build uses OpenMP; its bundled libgomp.so.1 is the one loaded).
 OPENMP_FLAGS = ["-fopenmp"]
@@ -91,8 +96,8 @@ def make_extension():
     ext = CppExtension(
         name="flashsdpa._C",
         sources=GENERIC_SOURCES,
-        extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS},
-        extra_link_args=OPENMP_FLAGS,
+        extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS + SANITIZE_FLAGS},
+        extra_link_args=OPENMP_FLAGS + SANITIZE_FLAGS,
         depends=depends,
     )
     ext._flashsdpa_tiers = TIERS

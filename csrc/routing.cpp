@@ -1,7 +1,7 @@
 // SDPA routing (routing.h): the backends' limits as data, the one decision, and the entries that
 // act on it:
 //   flashsdpa::sdpa (CompositeImplicitAutograd): the direct API. Validate, decide, run.
-//   enable() registers, at run time (torch::Library objects, destroyed by disable()):
+//   enable() registers, at run time, once (torch::Library objects kept; g_routing_on switches):
 //     aten::_scaled_dot_product_flash_attention_for_cpu[_backward] @ CPU
 //         what PyTorch sends to its fused CPU kernel runs flashsdpa's, under PyTorch's own
 //         checks, autograd formula and meta kernels (so torch.compile graphs call it too);
@@ -235,11 +235,16 @@ at::Tensor run_pytorch(const Call& c) {
 }
 
 // ---- the aten overrides --------------------------------------------------------------------------
+bool routing_on();  // (below: the switch)
+
 std::tuple<at::Tensor, at::Tensor> aten_flash_cpu(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, double dropout_p,
                                                   bool is_causal,
                                                   const c10::optional<at::Tensor>& attn_mask,
                                                   c10::optional<double> scale) {
+  if (!routing_on())
+    return at::native::_scaled_dot_product_flash_attention_cpu(q, k, v, dropout_p, is_causal,
+                                                               attn_mask, scale);
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
   const Decision d = decide(c, Entry::AtenFlashCpu);
   if (d.backend == Backend::CpuKernel) {
@@ -257,9 +262,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
     const at::Tensor& out, const at::Tensor& lse, double dropout_p, bool is_causal,
     const c10::optional<at::Tensor>& attn_mask, c10::optional<double> scale) {
   // The forward's decision again (it depends on dtype and dropout only): the backward of
-  // whichever kernel made `out` and `lse`.
+  // whichever kernel made `out` and `lse` (toggled in between: the state now decides; both
+  // kernels' logsumexp have the same meaning and layout).
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
-  if (decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
+  if (routing_on() && decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
     const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
     auto g = flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
                                 scale, -1, -1, false, 0.0, kNoTensor, kNoTensor);
@@ -273,6 +279,7 @@ at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      c10::optional<double> scale, bool enable_gqa) {
   const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
+  if (!routing_on()) return run_pytorch(c);
   const Decision d = decide(c, Entry::AtenSdpa);
   switch (d.backend) {
     case Backend::CpuKernel:
@@ -288,8 +295,14 @@ at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return run_pytorch(c);
 }
 
+// The overrides are registered at the first enable() and never removed: the dispatcher's tables
+// are read without a lock, so deregistering a kernel while another thread dispatches through it
+// crashed (a SIGSEGV under threads calling F.sdpa while one toggled enable()). g_routing_on
+// switches them: off, each runs exactly PyTorch's own kernel.
 std::unique_ptr<torch::Library> g_cpu_lib, g_cia_lib;
 std::mutex g_enable_mutex;
+std::atomic<bool> g_routing_on{false};
+bool routing_on() { return g_routing_on.load(std::memory_order_acquire); }
 
 // Overriding aten kernels makes the dispatcher warn ("Overriding a previously registered
 // kernel"); that is the documented purpose of enable(), so the warning is kept out of the log.
@@ -615,6 +628,7 @@ void reset_fallback_notes() {
 
 void routing_enable() {
   std::lock_guard<std::mutex> lock(g_enable_mutex);
+  g_routing_on.store(true, std::memory_order_release);
   if (g_cpu_lib) return;
   SilentWarnings silent;
   c10::WarningUtils::WarningHandlerGuard guard(&silent);
@@ -636,16 +650,9 @@ void set_overrideable_route(const std::string& device) {
 
 void set_triton_available(bool available) { g_triton_available.store(available); }
 
-void routing_disable() {
-  std::lock_guard<std::mutex> lock(g_enable_mutex);
-  g_cia_lib.reset();  // destroying the Library deregisters its kernels
-  g_cpu_lib.reset();
-}
+void routing_disable() { g_routing_on.store(false, std::memory_order_release); }
 
-bool routing_enabled() {
-  std::lock_guard<std::mutex> lock(g_enable_mutex);
-  return bool(g_cpu_lib);
-}
+bool routing_enabled() { return routing_on(); }
 
 }  // namespace flashsdpa
 

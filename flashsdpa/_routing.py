@@ -13,7 +13,9 @@ enable() installs C++ kernels (csrc/routing.cpp) for
     aten::_scaled_dot_product_fused_attention_overrideable and aten::_scaled_dot_product_flash_attention
     (+ backwards), and xpu SDPA calls PyTorch would run on its math path go to the overrideable op.
 Everything else runs exactly what PyTorch would have run. `sdpa_kernel(...)` without
-SDPBackend.FLASH_ATTENTION keeps flashsdpa out. disable() removes the kernels again.
+SDPBackend.FLASH_ATTENTION keeps flashsdpa out. The C++ kernels stay registered after the first
+enable() (removing kernels while other threads dispatch through them is not safe); disable()
+switches them to PyTorch's own kernels (and removes the Python-level hooks).
 
 torch.compile: while enabled, traced graphs hold flashsdpa's own ops, and the routing state is
 part of the compile cache key (torch.compiler.config.cache_key_tag), so Inductor's on-disk

@@ -46,9 +46,6 @@ using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, double, bool,
     c10::optional<double>, FLASHSDPA_VARIANT_TYPES);
 
-// q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
-// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2]).
-// The logsumexp of a row that sees no key is 0 (PyTorch's convention), or -inf with lse_neg_inf.
 // Whether a backward will follow this thread's forward call: set by the autograd kernels
 // (autograd.cpp) around an autograd Function's forward, where GradMode is off, so that the
 // forward ops plan for it (plan.h, for_backward).
@@ -66,6 +63,9 @@ class ForBackwardScope {
 bool needs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const c10::optional<at::Tensor>& sinks);
 
+// q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
+// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2]).
+// The logsumexp of a row that sees no key is 0 (PyTorch's convention), or -inf with lse_neg_inf.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,

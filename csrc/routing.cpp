@@ -235,14 +235,17 @@ at::Tensor run_pytorch(const Call& c) {
 }
 
 // ---- the aten overrides --------------------------------------------------------------------------
-bool routing_on();  // (below: the switch)
+// Registered at the first enable() and never removed: the dispatcher's tables are read without
+// a lock, so deregistering a kernel while another thread dispatches through it crashed (a
+// SIGSEGV under threads calling F.sdpa while one toggled enable()). routing_enabled() switches
+// them: off, each runs exactly PyTorch's own kernel.
 
 std::tuple<at::Tensor, at::Tensor> aten_flash_cpu(const at::Tensor& q, const at::Tensor& k,
                                                   const at::Tensor& v, double dropout_p,
                                                   bool is_causal,
                                                   const c10::optional<at::Tensor>& attn_mask,
                                                   c10::optional<double> scale) {
-  if (!routing_on())
+  if (!routing_enabled())
     return at::native::_scaled_dot_product_flash_attention_cpu(q, k, v, dropout_p, is_causal,
                                                                attn_mask, scale);
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
@@ -265,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
   // whichever kernel made `out` and `lse` (toggled in between: the state now decides; both
   // kernels' logsumexp have the same meaning and layout).
   const Call c{q, k, v, attn_mask, dropout_p, is_causal, scale, /*enable_gqa=*/true};
-  if (routing_on() && decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
+  if (routing_enabled() && decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
     const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
     auto g = flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
                                 scale, -1, -1, false, 0.0, kNoTensor, kNoTensor);
@@ -279,7 +282,7 @@ at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
                      c10::optional<double> scale, bool enable_gqa) {
   const Call c{q, k, v, mask, dropout_p, is_causal, scale, enable_gqa};
-  if (!routing_on()) return run_pytorch(c);
+  if (!routing_enabled()) return run_pytorch(c);
   const Decision d = decide(c, Entry::AtenSdpa);
   switch (d.backend) {
     case Backend::CpuKernel:
@@ -295,14 +298,9 @@ at::Tensor aten_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return run_pytorch(c);
 }
 
-// The overrides are registered at the first enable() and never removed: the dispatcher's tables
-// are read without a lock, so deregistering a kernel while another thread dispatches through it
-// crashed (a SIGSEGV under threads calling F.sdpa while one toggled enable()). g_routing_on
-// switches them: off, each runs exactly PyTorch's own kernel.
-std::unique_ptr<torch::Library> g_cpu_lib, g_cia_lib;
-std::mutex g_enable_mutex;
-std::atomic<bool> g_routing_on{false};
-bool routing_on() { return g_routing_on.load(std::memory_order_acquire); }
+std::unique_ptr<torch::Library> g_cpu_lib, g_cia_lib;  // the overrides, once registered
+std::mutex g_enable_mutex;                              // (guards their registration)
+std::atomic<bool> g_routing_on{false};                  // the switch
 
 // Overriding aten kernels makes the dispatcher warn ("Overriding a previously registered
 // kernel"); that is the documented purpose of enable(), so the warning is kept out of the log.
@@ -652,7 +650,7 @@ void set_triton_available(bool available) { g_triton_available.store(available);
 
 void routing_disable() { g_routing_on.store(false, std::memory_order_release); }
 
-bool routing_enabled() { return routing_on(); }
+bool routing_enabled() { return g_routing_on.load(std::memory_order_acquire); }
 
 }  // namespace flashsdpa
 

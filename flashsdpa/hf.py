@@ -129,8 +129,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)  # (B, L, H, D)
 
     if attention_mask is not None and attention_mask.dim() == 4:  # windows already inside it
-        mask = attention_mask[..., :key.shape[2]]
-        return _masked(query, key, value, mask, p, dict(variants, window_size=(-1, -1))), None
+        return _masked(query, key, value, attention_mask[..., :key.shape[2]], p, variants), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is None and cu_q is None and key.shape[2] == Lq:
@@ -150,8 +149,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     mask = attention_mask.bool()
     Lm = mask.shape[1]
     if key.shape[2] > Lm:  # a static cache: the slots past the mask hold no token yet
-        k, v = k[:, :Lm], v[:, :Lm]
         key, value = key[:, :, :Lm], value[:, :, :Lm]
+        k, v = key.transpose(1, 2), value.transpose(1, 2)
     if bool(mask.all()):
         return flash_attn_func(q, k, v, p, causal=causal, **variants), None
     if Lq == Lm and _contiguous_runs(mask):
@@ -165,15 +164,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         visible = visible & (j <= i)
     if left >= 0:
         visible = visible & (j >= i - left) & (j <= i + window[1])
-    return _masked(query, key, value, visible, p, dict(variants, window_size=(-1, -1))), None
+    return _masked(query, key, value, visible, p, variants), None
 
 
 def _masked(query, key, value, mask, p, variants):
-    """SDPA layout with an explicit mask (causality and windows inside it) -> (B, Lq, H, Dv)."""
+    """SDPA layout with an explicit mask, which holds the causality and the window (the
+    variants' window_size is not applied) -> (B, Lq, H, Dv)."""
     out = scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=p, scale=variants["softmax_scale"],
-        enable_gqa=query.shape[1] != key.shape[1], window_size=variants["window_size"],
-        softcap=variants["softcap"], sinks=variants["sinks"])
+        enable_gqa=query.shape[1] != key.shape[1], softcap=variants["softcap"],
+        sinks=variants["sinks"])
     return out.transpose(1, 2)
 
 

@@ -198,66 +198,62 @@ STRICT = False  # --strict: large_logits cases' gradients are checked too
 
 
 def run_case(seed):
-    """'' when the case passes, else what failed."""
-    c = draw(seed)
+    """'' when case `seed` passes, else what failed."""
+    return check(draw(seed))
+
+
+def check(c):
+    """'' when the case c (draw) passes, else what failed."""
     try:
         want = call(F.scaled_dot_product_attention, c)
     except Exception:
-        for name, fn in (("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)):
-            try:
-                call(fn, c)
-            except Exception:
-                continue
-            if name == "routed":
-                return "routed: no error where PyTorch raises"
-        return ""  # the direct API may accept more (e.g. it broadcasts what F.sdpa does)
-    if not all(torch.isfinite(c[t]).all() for t in "qkv"):
-        # NaN / inf inputs: PyTorch's own paths disagree on what they give (its fused kernel
-        # 0 for a NaN query row, its math path NaN): no crash and PyTorch's shapes
-        for name, fn in (("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)):
-            try:
-                got = call(fn, c)
-            except Exception as e:
-                return f"{name}: raised where PyTorch does not: {type(e).__name__}: {e}"
-            if got[0].shape != want[0].shape:
-                return f"{name}: shape {tuple(got[0].shape)} != {tuple(want[0].shape)}"
-        return ""
-    ref = None
-    if c["dropout_p"] == 0.0:
-        ref = call(F.scaled_dot_product_attention, c, torch.float64)
+        try:
+            call(routed, c)
+        except Exception:
+            return ""  # (the direct API may accept more: it broadcasts what F.sdpa does)
+        return "routed: no error where PyTorch raises"
+    # NaN / inf inputs: PyTorch's own paths disagree on what they give (its fused kernel 0 for a
+    # NaN query row, its math path NaN): no crash and PyTorch's shapes. Dropout: its own random
+    # stream: shapes and finiteness.
+    finite_inputs = all(torch.isfinite(c[t]).all() for t in "qkv")
+    ref = call(F.scaled_dot_product_attention, c, torch.float64) \
+        if finite_inputs and c["dropout_p"] == 0.0 else None
+    if ref is not None:  # the bounds of large_logits, unless --strict
+        gap = large_logits(c) and not STRICT
+        floor = score_bound(c) * c["v"].double().abs().max().item() \
+            if gap and c["v"].numel() else 1.0
+        grads_finite_only = want[1] is not None and large_logits(c, 10.0) and not STRICT
+        terms = cancelling_terms(c) if want[1] is not None else 1.0
     for name, fn in (("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)):
         try:
             got = call(fn, c)
         except Exception as e:
             return f"{name}: raised where PyTorch does not: {type(e).__name__}: {e}"
-        if ref is None:  # dropout: its own random stream
-            if got[0].shape != want[0].shape:
-                return f"{name}: shape {tuple(got[0].shape)} != {tuple(want[0].shape)}"
+        if got[0].shape != want[0].shape:
+            return f"{name}: shape {tuple(got[0].shape)} != {tuple(want[0].shape)}"
+        if not finite_inputs:
+            continue
+        if ref is None:
             if torch.isfinite(want[0]).all() and not torch.isfinite(got[0]).all():
                 return f"{name}: non-finite output with dropout"
             continue
-        gap = large_logits(c) and not STRICT
-        floor = score_bound(c) * c["v"].double().abs().max().item() if gap and \
-            c["v"].numel() else 1.0
         why = compare(f"{name} out", got[0], want[0], ref[0], c["dtype"], mag=floor)
         if why:
             return why
-        if want[1] is not None and large_logits(c, 10.0) and not STRICT:
-            # gradients: finite where PyTorch's are
-            for t, (g, w) in zip("qkv", zip(got[1], want[1])):
-                if w is not None and g is not None and \
-                        not torch.isfinite(g[torch.isfinite(w)]).all():
+        if want[1] is None:
+            continue
+        for t, (g, w, rg) in zip("qkv", zip(got[1], want[1], ref[1])):
+            if w is None or rg is None:
+                continue
+            if g is None:
+                return f"{name}: no gradient for {t}"
+            if grads_finite_only:
+                if not torch.isfinite(g[torch.isfinite(w)]).all():
                     return f"{name} d{t}: non-finite where PyTorch's gradient is finite"
-        elif want[1] is not None:
-            terms = cancelling_terms(c)
-            for t, (g, w, rg) in zip("qkv", zip(got[1], want[1], ref[1])):
-                if w is None or rg is None:
-                    continue
-                if g is None:
-                    return f"{name}: no gradient for {t}"
-                why = compare(f"{name} d{t}", g, w, rg, c["dtype"], terms if t != "v" else 1.0)
-                if why:
-                    return why
+                continue
+            why = compare(f"{name} d{t}", g, w, rg, c["dtype"], terms if t != "v" else 1.0)
+            if why:
+                return why
     return ""
 
 
@@ -272,18 +268,19 @@ def main(argv=None):
     global STRICT
     STRICT = args.strict
     seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
-    failures = 0
-    for i, seed in enumerate(seeds):
+    failures = gap = 0
+    for seed in seeds:
+        c = draw(seed)
         if args.case is not None:
-            print(describe(draw(seed)), flush=True)
+            print(describe(c), flush=True)
         else:  # the last line printed names the case a crash happened in
             print(f"case {seed}", end="\r", flush=True)
-        why = run_case(seed)
+        gap += large_logits(c)
+        why = check(c)
         if why:
             failures += 1
-            print(f"case {seed} FAILED: {describe(draw(seed))}: {why}", flush=True)
+            print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
     n = len(seeds)
-    gap = sum(large_logits(draw(s)) for s in seeds)
     print(f"\n{n} cases, {failures} failures ({gap} with large logits, "
           f"{'checked strictly' if STRICT else 'held to the looser bounds: --strict'})",
           flush=True)

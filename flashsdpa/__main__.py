@@ -77,7 +77,7 @@ def report():
     lines.append(f"XPU: {_xpu_status()}")
     from . import _gpu
     lines.append("Triton kernels on the XPU key: "
-                 + ("registered" if _gpu.is_registered() else "not registered (enable())"))
+                 + ("registered" if _gpu.is_registered() else "not registered (enable() with an xpu device)"))
     lines.append(f"routing enabled: {flashsdpa.is_enabled()}")
     return "\n".join(lines)
 

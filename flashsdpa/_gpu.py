@@ -10,7 +10,11 @@ the xpu calls PyTorch would run on its math path (dropout, masks, GQA, 3-D input
 the overrideable op, i.e. to the Triton kernels. disable() removes all of it.
 
 Nothing here imports Triton: the kernels load on the first launch. Registration happens only
-when Triton is installed.
+when Triton is installed and an xpu device is present: the registrations are made and destroyed
+per enable()/disable() cycle (a Python kernel cannot hand an xpu call back to the XPU kernel it
+overrides, so they cannot stay and switch by a flag as the CPU overrides do), and each
+torch.library.Library made and destroyed keeps about 100 bytes; machines without an Intel GPU
+pay nothing per cycle.
 """
 import warnings
 
@@ -117,11 +121,16 @@ def register(dispatch_key="XPU", ops=None):
 _lib = None
 
 
+def _xpu_present():
+    xpu = getattr(torch, "xpu", None)
+    return xpu is not None and xpu.is_available()
+
+
 def enable():
     """Register on the XPU key and route xpu SDPA calls to the overrideable op (when Triton is
-    installed; otherwise nothing changes for xpu)."""
+    installed and an xpu device is present; otherwise nothing changes for xpu)."""
     global _lib
-    if _lib is not None or not _triton.available():
+    if _lib is not None or not _triton.available() or not _xpu_present():
         return
     _lib = register("XPU")
     _C.set_overrideable_route("xpu")

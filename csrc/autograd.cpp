@@ -29,10 +29,10 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
                          .findSchemaOrThrow("flashsdpa::flash_attn_fwd", "")
                          .typed<FwdSignature>();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse, rng] = op.call(q, k, v, mask, dropout_p, is_causal, scale,
-                                   FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
+    auto [out, lse, rng, stats] = op.call(q, k, v, mask, dropout_p, is_causal, scale,
+                                          FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
     ctx->save_for_backward({q, k, v, or_undefined(mask), out, lse, rng, or_undefined(alibi_slopes),
-                            or_undefined(sinks)});
+                            or_undefined(sinks), stats});
     ctx->saved_data["dropout_p"] = dropout_p;
     ctx->saved_data["is_causal"] = is_causal;
     ctx->saved_data["scale"] = scale;
@@ -40,8 +40,8 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["bottom_right"] = bottom_right;
     ctx->saved_data["softcap"] = softcap;
-    ctx->mark_non_differentiable({lse, rng});
-    return {out, lse, rng};
+    ctx->mark_non_differentiable({lse, rng, stats});
+    return {out, lse, rng, stats};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -56,7 +56,7 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
         defined_or_none(saved[3]), d.at("dropout_p").toDouble(), d.at("is_causal").toBool(),
         d.at("scale").toOptional<double>(), d.at("window_left").toInt(),
         d.at("window_right").toInt(), d.at("bottom_right").toBool(), d.at("softcap").toDouble(),
-        defined_or_none(saved[7]), defined_or_none(saved[8]));
+        defined_or_none(saved[7]), defined_or_none(saved[8]), saved[9]);
     // one gradient per forward input: q, k, v, mask, dropout_p, is_causal, scale, the variants
     // (window_left, window_right, bottom_right, softcap, alibi_slopes, sinks), lse_neg_inf
     return {dq,          dk,          dv,          at::Tensor(), at::Tensor(), at::Tensor(),
@@ -65,14 +65,14 @@ struct FlashAttnFunction : public torch::autograd::Function<FlashAttnFunction> {
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
     c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
   const ForBackwardScope scope(needs_backward(q, k, v, sinks));
   auto res = FlashAttnFunction::apply(q, k, v, mask, dropout_p, is_causal, scale,
                                       FLASHSDPA_VARIANT_ARGS, lse_neg_inf);
-  return {res[0], res[1], res[2]};
+  return {res[0], res[1], res[2], res[3]};
 }
 
 // flashsdpa::flash_attn_varlen_fwd: the same, for packed variable-length batches.
@@ -83,9 +83,9 @@ struct FlashAttnVarlenFunction : public torch::autograd::Function<FlashAttnVarle
                          .findSchemaOrThrow("flashsdpa::flash_attn_varlen_fwd", "")
                          .typed<VarlenFwdSignature>();
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse, rng] = op.call(q, k, v, FLASHSDPA_VARLEN_ARGS);
+    auto [out, lse, rng, stats] = op.call(q, k, v, FLASHSDPA_VARLEN_ARGS);
     ctx->save_for_backward({q, k, v, out, lse, rng, cu_seqlens_q, cu_seqlens_k,
-                            or_undefined(alibi_slopes), or_undefined(sinks)});
+                            or_undefined(alibi_slopes), or_undefined(sinks), stats});
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -94,8 +94,8 @@ struct FlashAttnVarlenFunction : public torch::autograd::Function<FlashAttnVarle
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["softcap"] = softcap;
-    ctx->mark_non_differentiable({lse, rng});
-    return {out, lse, rng};
+    ctx->mark_non_differentiable({lse, rng, stats});
+    return {out, lse, rng, stats};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -111,7 +111,7 @@ struct FlashAttnVarlenFunction : public torch::autograd::Function<FlashAttnVarle
                 d.at("dropout_p").toDouble(), d.at("softmax_scale").toOptional<double>(),
                 d.at("causal").toBool(), d.at("window_left").toInt(),
                 d.at("window_right").toInt(), d.at("softcap").toDouble(), defined_or_none(s[8]),
-                defined_or_none(s[9]));
+                defined_or_none(s[9]), s[10]);
     // one gradient per forward input: q, k, v, cu_seqlens_q / _k, max_seqlen_q / _k, dropout_p,
     // softmax_scale, causal, window_left / _right, softcap, alibi_slopes, sinks
     std::vector<at::Tensor> g(15);
@@ -121,11 +121,11 @@ struct FlashAttnVarlenFunction : public torch::autograd::Function<FlashAttnVarle
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_autograd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_autograd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, FLASHSDPA_VARLEN_PARAMS) {
   const ForBackwardScope scope(needs_backward(q, k, v, sinks));
   auto res = FlashAttnVarlenFunction::apply(q, k, v, FLASHSDPA_VARLEN_ARGS);
-  return {res[0], res[1], res[2]};
+  return {res[0], res[1], res[2], res[3]};
 }
 
 }  // namespace

@@ -118,6 +118,27 @@ void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, boo
   p.lse_empty = lse_neg_inf ? -std::numeric_limits<float>::infinity() : 0.0f;
 }
 
+// The softmax stats (params.h) of a forward whose logsumexp is `lse`: lse's shape and layout
+// with a trailing (m, l) pair.
+at::Tensor stats_like(const at::Tensor& lse) {
+  std::vector<int64_t> sizes = lse.sizes().vec(), strides;
+  for (const int64_t st : lse.strides()) strides.push_back(2 * st);
+  sizes.push_back(2);
+  strides.push_back(1);
+  return at::empty_strided(sizes, strides, lse.options());
+}
+
+// A backward's softmax_stats: undefined when not given, else the forward's (checked).
+at::Tensor checked_stats(const c10::optional<at::Tensor>& stats, const at::Tensor& lse) {
+  if (!stats.has_value() || !stats->defined()) return at::Tensor();
+  std::vector<int64_t> want = lse.sizes().vec();
+  want.push_back(2);
+  TORCH_CHECK(stats->scalar_type() == at::kFloat && stats->sizes() == want,
+              "flashsdpa: softmax_stats must be the forward's: float32 of shape ", want, ", got ",
+              stats->scalar_type(), " ", stats->sizes());
+  return last_dim_unit_stride(*stats);
+}
+
 void check_rng_state(const at::Tensor& rng_state) {
   TORCH_CHECK(rng_state.scalar_type() == at::kLong && rng_state.numel() == 2,
               "flashsdpa: rng_state must be the int64[2] (seed, offset) the forward returned");
@@ -203,7 +224,7 @@ bool needs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   return grads && (t_for_backward || at::GradMode::is_enabled());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf) {
@@ -217,9 +238,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   const int64_t B = q.size(0), Hq = q.size(1), Lq = q.size(2);
   at::Tensor out = output_like_query(query, v.size(3));
   at::Tensor lse = at::empty({B, Lq, Hq}, q.options().dtype(at::kFloat)).transpose(1, 2);
+  at::Tensor stats = stats_like(lse);
   at::Tensor rng = at::zeros({2}, q.options().dtype(at::kLong));
   poison(out);
   poison(lse);
+  poison(stats);
 
   AttnParams p;
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
@@ -235,9 +258,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
   p.o_sb = out.stride(0), p.o_sh = out.stride(1), p.o_sl = out.stride(2);
   p.lse = lse.data_ptr<float>();
   p.lse_sb = lse.stride(0), p.lse_sh = lse.stride(1), p.lse_sl = lse.stride(2);
+  p.stats = stats.data_ptr<float>();
+  p.st_sb = stats.stride(0), p.st_sh = stats.stride(1), p.st_sl = stats.stride(2);
   const KernelPolicy pol = plan_forward(p, true, needs_backward(query, key, value, sinks));
   if (out.numel() > 0) run_forward(p, pol);
-  return {out, lse, rng};
+  return {out, lse, rng, stats};
 }
 
 std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at::Tensor& k,
@@ -261,7 +286,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS) {
+    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS,
+    const c10::optional<at::Tensor>& softmax_stats) {
   check_op_inputs(query, key, value, attn_mask, dropout_p, FLASHSDPA_VARIANT_ARGS);
   const int64_t B = query.size(0), Hq = query.size(1), Lq = query.size(2), Dv = value.size(3);
   const std::vector<int64_t> o_shape{B, Hq, Lq, Dv};
@@ -277,6 +303,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
               "flashsdpa: logsumexp must be float32 of shape (", B, ", ", Hq, ", ", Lq, "), got ",
               logsumexp.scalar_type(), " ", logsumexp.sizes());
   check_rng_state(rng_state);
+  const at::Tensor stats = checked_stats(softmax_stats, logsumexp);
 
   const at::Tensor q = last_dim_unit_stride(query);
   const at::Tensor k = last_dim_unit_stride(key);
@@ -305,6 +332,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   p.o_sb = o.stride(0), p.o_sh = o.stride(1), p.o_sl = o.stride(2);
   p.lse = const_cast<float*>(logsumexp.data_ptr<float>());
   p.lse_sb = logsumexp.stride(0), p.lse_sh = logsumexp.stride(1), p.lse_sl = logsumexp.stride(2);
+  if (stats.defined()) {
+    p.stats = const_cast<float*>(stats.data_ptr<float>());
+    p.st_sb = stats.stride(0), p.st_sh = stats.stride(1), p.st_sl = stats.stride(2);
+  }
   p.dout = dO.data_ptr();
   p.do_sb = dO.stride(0), p.do_sh = dO.stride(1), p.do_sl = dO.stride(2);
   p.dq = dq.data_ptr();
@@ -423,6 +454,7 @@ AttnParams segment(const AttnParams& base, const Varlen& vl, int64_t s, int64_t 
   p.v = element_at(base.v, k0, base.v_sl, esize);
   p.out = const_cast<char*>(element_at(base.out, q0, base.o_sl, esize));
   p.lse = base.lse + q0 * base.lse_sl;
+  if (base.stats) p.stats = base.stats + q0 * base.st_sl;
   if (base.alibi && base.alibi_sb) p.alibi = base.alibi + s * base.alibi_sb, p.alibi_sb = 0;
   p.offset = base.offset + uint64_t(s);
   if (base.dout) {  // backward
@@ -452,7 +484,7 @@ AttnParams largest(const std::vector<AttnParams>& seg) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     FLASHSDPA_VARLEN_PARAMS) {
   const bool bottom_right = true;
@@ -464,9 +496,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
   const int64_t total_q = q.size(0), Hq = q.size(1);
   at::Tensor out = at::empty({total_q, Hq, v.size(2)}, q.options());
   at::Tensor lse = at::empty({Hq, total_q}, q.options().dtype(at::kFloat));
+  at::Tensor stats = stats_like(lse);
   at::Tensor rng = at::zeros({2}, q.options().dtype(at::kLong));
   poison(out);
   poison(lse);
+  poison(stats);
 
   AttnParams base;
   fill_common(base, as_4d(q), as_4d(k), as_4d(v), c10::nullopt, dropout_p, causal,
@@ -482,6 +516,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
   base.o_sh = out.stride(1), base.o_sl = out.stride(0);
   base.lse = lse.data_ptr<float>();
   base.lse_sh = lse.stride(0), base.lse_sl = 1;
+  base.stats = stats.data_ptr<float>();
+  base.st_sh = stats.stride(0), base.st_sl = stats.stride(1);
 
   std::vector<AttnParams> seg;
   for (int64_t s = 0; s < vl.batch(); ++s) {
@@ -489,10 +525,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
     if (vl.len_k(s) == 0) {  // rows that see no key: 0, lse the sink's score or -inf
       out.narrow(0, vl.cu_q[s], vl.len_q(s)).zero_();
       at::Tensor l = lse.narrow(1, vl.cu_q[s], vl.len_q(s));
+      at::Tensor st = stats.narrow(1, vl.cu_q[s], vl.len_q(s));  // (log2(e) sink or -inf, 0)
       if (vt.sinks.defined())
         l.copy_(vt.sinks.view({Hq, 1}).expand_as(l));
       else
         l.fill_(-std::numeric_limits<float>::infinity());
+      st.select(2, 0).copy_(l * float(M_LOG2E));
+      st.select(2, 1).zero_();
       continue;
     }
     seg.push_back(segment(base, vl, s, q.element_size()));
@@ -502,13 +541,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
         plan_forward(largest(seg), true, needs_backward(query, key, value, sinks));
     run_forward_segments(seg.data(), int64_t(seg.size()), pol);
   }
-  return {out, lse, rng};
+  return {out, lse, rng, stats};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS) {
+    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS,
+    const c10::optional<at::Tensor>& softmax_stats) {
   const bool bottom_right = true;
   const Varlen vl = check_varlen(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, dropout_p, FLASHSDPA_VARIANT_ARGS);
@@ -530,6 +570,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
   const at::Tensor o = last_dim_unit_stride(out);
   const at::Tensor dO = last_dim_unit_stride(grad_out);
   const at::Tensor lse = logsumexp.stride(1) == 1 ? logsumexp : logsumexp.contiguous();
+  const at::Tensor stats = checked_stats(softmax_stats, logsumexp);
   at::Tensor dq = at::empty(q.sizes(), q.options());
   at::Tensor dk = at::empty(k.sizes(), k.options());
   at::Tensor dv = at::empty(v.sizes(), v.options());
@@ -549,6 +590,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
   base.o_sh = o.stride(1), base.o_sl = o.stride(0);
   base.lse = const_cast<float*>(lse.data_ptr<float>());
   base.lse_sh = lse.stride(0), base.lse_sl = 1;
+  if (stats.defined()) {
+    base.stats = const_cast<float*>(stats.data_ptr<float>());
+    base.st_sh = stats.stride(0), base.st_sl = stats.stride(1);
+  }
   base.dout = dO.data_ptr();
   base.do_sh = dO.stride(1), base.do_sl = dO.stride(0);
   base.dq = dq.data_ptr();
@@ -876,13 +921,15 @@ TORCH_LIBRARY(flashsdpa, m) {
   m.def(
       "flash_attn_fwd(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
       "float dropout_p=0., bool is_causal=False, *, float? scale=None, " FLASHSDPA_VARIANT_SCHEMA
-      ", bool lse_neg_inf=False) -> (Tensor output, Tensor logsumexp, Tensor rng_state)",
+      ", bool lse_neg_inf=False) -> (Tensor output, Tensor logsumexp, Tensor rng_state, "
+      "Tensor softmax_stats)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "flash_attn_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor? attn_mask=None, float dropout_p=0., "
       "bool is_causal=False, *, float? scale=None, " FLASHSDPA_VARIANT_SCHEMA
-      ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
+      ", Tensor? softmax_stats=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, "
+      "Tensor grad_sinks)");
   // The direct API (a CompositeImplicitAutograd kernel in routing.cpp): same contract as
   // aten::scaled_dot_product_attention.
   m.def(
@@ -907,14 +954,15 @@ TORCH_LIBRARY(flashsdpa, m) {
       "flash_attn_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p=0., *, "
       "float? softmax_scale=None, bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
-      ") -> (Tensor out, Tensor logsumexp, Tensor rng_state)",
+      ") -> (Tensor out, Tensor logsumexp, Tensor rng_state, Tensor softmax_stats)",
       {at::Tag::nondeterministic_seeded});
   m.def(
       "flash_attn_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor logsumexp, Tensor rng_state, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float dropout_p=0., *, float? softmax_scale=None, "
       "bool causal=False, " FLASHSDPA_VARLEN_VARIANT_SCHEMA
-      ") -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_sinks)");
+      ", Tensor? softmax_stats=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, "
+      "Tensor grad_sinks)");
   // Attention over a KV cache, flash-attn's flash_attn_with_kvcache: q (B, Lq, H, D); a
   // contiguous cache (B, Lcache, Hkv, D) or a paged one (num_blocks, block_size, Hkv, D) with
   // block_table int32 (B, max_blocks); k / v (B, Lnew, Hkv, D) appended in place at

@@ -38,13 +38,13 @@ namespace flashsdpa {
   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, \
       window_left, window_right, softcap, alibi_slopes, sinks
 
-using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
     double, bool, c10::optional<double>, FLASHSDPA_VARIANT_TYPES, bool);
 using BwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, double, bool,
-    c10::optional<double>, FLASHSDPA_VARIANT_TYPES);
+    c10::optional<double>, FLASHSDPA_VARIANT_TYPES, const c10::optional<at::Tensor>&);
 
 // Whether a backward will follow this thread's forward call: set by the autograd kernels
 // (autograd.cpp) around an autograd Function's forward, where GradMode is off, so that the
@@ -64,38 +64,45 @@ bool needs_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const c10::optional<at::Tensor>& sinks);
 
 // q: [B, Hq, Lq, D], k: [B, Hkv, Lk, D], v: [B, Hkv, Lk, Dv] ->
-// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2]).
+// (out [B, Hq, Lq, Dv] laid out like query, logsumexp [B, Hq, Lq] fp32, rng_state int64[2],
+// softmax_stats [B, Hq, Lq, 2] fp32: each row's (m, l), params.h, for the backward).
 // The logsumexp of a row that sees no key is 0 (PyTorch's convention), or -inf with lse_neg_inf.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const c10::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
     c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS, bool lse_neg_inf);
 
 // -> (grad_query, grad_key, grad_value, grad_sinks), the first three (B, H, L, D) viewed on a
-// (B, L, H, D) buffer; grad_sinks fp32 (H,), empty without sinks.
+// (B, L, H, D) buffer; grad_sinks fp32 (H,), empty without sinks. softmax_stats: the forward's
+// (P from them, exact at any logit size), or none (P from logsumexp alone, as PyTorch's fused
+// kernel: what aten's autograd formula saves).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
     const at::Tensor& rng_state, const c10::optional<at::Tensor>& attn_mask, double dropout_p,
-    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS);
+    bool is_causal, c10::optional<double> scale, FLASHSDPA_VARIANT_PARAMS,
+    const c10::optional<at::Tensor>& softmax_stats);
 
-using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+using VarlenFwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, FLASHSDPA_VARLEN_TYPES);
 using VarlenBwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, FLASHSDPA_VARLEN_TYPES);
+    const at::Tensor&, const at::Tensor&, FLASHSDPA_VARLEN_TYPES,
+    const c10::optional<at::Tensor>&);
 
 // Packed variable-length batches (flash-attn's varlen semantics, bottom-right alignment):
 // q (total_q, Hq, D), k / v (total_k, Hkv, D[v]) -> (out (total_q, Hq, Dv) contiguous,
-// logsumexp (Hq, total_q) fp32, -inf for a row that sees nothing, rng_state int64[2]).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
+// logsumexp (Hq, total_q) fp32, -inf for a row that sees nothing, rng_state int64[2],
+// softmax_stats (Hq, total_q, 2) fp32).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd_cpu(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     FLASHSDPA_VARLEN_PARAMS);
 // -> (grad_q, grad_k, grad_v contiguous like q / k / v, grad_sinks fp32 (H,) or empty)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
-    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS);
+    const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS,
+    const c10::optional<at::Tensor>& softmax_stats);
 
 // cu_seqlens_q / _k (CPU int32, batch + 1 prefix sums from 0 to total_q / total_k, longest
 // sequence within max_seqlen_q / _k) as vectors, or a ValueError naming the argument.

@@ -271,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aten_flash_cpu_backward(
   if (routing_enabled() && decide(c, Entry::AtenFlashCpu).backend == Backend::CpuKernel) {
     const at::Tensor no_rng = at::zeros({2}, q.options().dtype(at::kLong));
     auto g = flash_attn_bwd_cpu(grad_out, q, k, v, out, lse, no_rng, attn_mask, 0.0, is_causal,
-                                scale, -1, -1, false, 0.0, kNoTensor, kNoTensor);
+                                scale, -1, -1, false, 0.0, kNoTensor, kNoTensor,
+                                /*softmax_stats=*/kNoTensor);
     return {std::get<0>(g), std::get<1>(g), std::get<2>(g)};
   }
   return at::native::_scaled_dot_product_flash_attention_cpu_backward(

@@ -111,11 +111,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     del deterministic  # every flashsdpa backward is deterministic
     left, right = _window(window_size)
     if q.device.type == "cpu" and q.dtype in DTYPE_NAMES:
-        out, lse, _ = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                                 int(max_seqlen_k), float(dropout_p),
-                                 softmax_scale=softmax_scale, causal=bool(causal),
-                                 window_left=left, window_right=right, softcap=float(softcap),
-                                 alibi_slopes=alibi_slopes, sinks=sinks)
+        out, lse, _, _ = _varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                    int(max_seqlen_k), float(dropout_p),
+                                    softmax_scale=softmax_scale, causal=bool(causal),
+                                    window_left=left, window_right=right,
+                                    softcap=float(softcap), alibi_slopes=alibi_slopes,
+                                    sinks=sinks)
         return (out, lse) if return_lse else out
     # per sequence, through flash_attn_func (its routing; the same checks of cu_seqlens)
     cu_q, cu_k = _C.check_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), q.shape[0], k.shape[0],

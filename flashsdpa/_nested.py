@@ -55,9 +55,9 @@ def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     cu_q, cu_k = off_q.to(torch.int32), off_k.to(torch.int32)
     # max_seqlen_* only bound the sequence lengths (checked): the int32 maximum always does, and
     # a constant keeps torch.compile from specialising the jagged dimension
-    out, _, _ = torch.ops.flashsdpa.flash_attn_varlen_fwd(
+    out = torch.ops.flashsdpa.flash_attn_varlen_fwd(
         q.values(), k.values(), v.values(), cu_q, cu_k, _NO_BOUND, _NO_BOUND, float(dropout_p),
-        softmax_scale=scale, causal=bool(is_causal))
+        softmax_scale=scale, causal=bool(is_causal))[0]
     return nested_view_from_values_offsets(out, off_q, min_seqlen=q._maybe_min_seqlen,
                                            max_seqlen=q._maybe_max_seqlen).transpose(1, 2)
 

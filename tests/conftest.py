@@ -94,8 +94,10 @@ def reference_sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, keep=No
     if is_causal:
         L, S = s.shape[-2], s.shape[-1]
         s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # fully masked rows -> 0
+    # fully masked rows -> 0, with gradients (0) rather than the NaN of a softmax over -inf
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    p = torch.where(torch.isnan(p), torch.zeros_like(p), p)
     if keep is not None:
         p = p * keep.to(dtype) / (1.0 - dropout_p)
     return p @ v

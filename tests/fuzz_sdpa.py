@@ -12,7 +12,8 @@ in the inputs, and whether gradients are checked. Verdicts:
   - PyTorch raises: flashsdpa must raise too (any message);
   - flashsdpa raises where PyTorch does not: a failure ("unclear error");
   - where PyTorch's output (gradient) is finite, flashsdpa's must be finite and within the suite
-    rule: |ours - ref| <= 2 |torch - ref| + atol * max(1, |ref|), maxima over each tensor (for
+    rule: |ours - ref| <= 2 |torch - ref| + atol * max(1, |ref|), ref the float64 math
+    (math_reference), maxima over each tensor (for
     dq and dk the atol term scales with the products that cancel in their computation instead,
     cancelling_terms); where PyTorch's is NaN, flashsdpa may give 0 or NaN (README: rows with no
     visible key); dropout cases check shapes and finiteness only (different random streams),
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import flashsdpa
+from conftest import reference_sdpa
 
 ATOL = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -133,6 +135,14 @@ def call(fn, c, dtype=None):
     return out.detach(), grads
 
 
+def math_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """The reference, by explicit math (conftest.reference_sdpa; called in float64): not
+    F.sdpa, whose float64 calls take PyTorch's fused CPU kernel, which recomputes P from the
+    logsumexp too (a row at finfo.min on every key gets P = 1 per key there)."""
+    return reference_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
 def routed(*args, **kw):
     with flashsdpa.enabled():
         return F.scaled_dot_product_attention(*args, **kw)
@@ -181,14 +191,13 @@ def score_bound(c):
 
 
 def large_logits(c, limit=100.0):
-    """A known gap (README, "Where results differ"; issue 22 item 8): flashsdpa works in the
-    log2 domain (scores times scale * log2(e)) and its backward recomputes P from a float32
-    logsumexp, so where scores or mask values are large (|score| can pass `limit`, or a float
-    mask value has magnitude >= 1e3) the rounding of the scores, which exp() amplifies,
-    dominates: outputs (limit 100) are then held to the suite's rule with its atol term scaled
-    by that floor (max|score| * max|V|) instead of by the output, and gradients (limit 10: the
-    backward's error is 2-5x PyTorch's past it) to being finite where PyTorch's are.
-    --strict: the plain rule."""
+    """A known gap (README, "Where results differ"): flashsdpa works in the log2 domain (scores
+    times scale * log2(e), float masks times log2(e)), one more rounding of each score than
+    PyTorch's natural-domain softmax, which exp() amplifies once scores or mask values are large
+    (|score| can pass `limit`, or a float mask value has magnitude >= 1e3): outputs and
+    gradients are then held to the suite's rule with its atol term scaled by that floor
+    (max|score| * max|V|). --strict: the plain rule (6 of 10,000 seeded cases exceed it: five
+    outputs and one dq, errors up to 6.2x PyTorch's own, 1.8x the rule's bound)."""
     m = c["attn_mask"]
     return score_bound(c) > limit or (m is not None and m.is_floating_point() and
                                       m.numel() > 0 and m.double().abs().max().item() >= 1e3)
@@ -216,13 +225,12 @@ def check(c):
     # NaN query row, its math path NaN): no crash and PyTorch's shapes. Dropout: its own random
     # stream: shapes and finiteness.
     finite_inputs = all(torch.isfinite(c[t]).all() for t in "qkv")
-    ref = call(F.scaled_dot_product_attention, c, torch.float64) \
+    ref = call(math_reference, c, torch.float64) \
         if finite_inputs and c["dropout_p"] == 0.0 else None
     if ref is not None:  # the bounds of large_logits, unless --strict
         gap = large_logits(c) and not STRICT
         floor = score_bound(c) * c["v"].double().abs().max().item() \
             if gap and c["v"].numel() else 1.0
-        grads_finite_only = want[1] is not None and large_logits(c, 10.0) and not STRICT
         terms = cancelling_terms(c) if want[1] is not None else 1.0
     for name, fn in (("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)):
         try:
@@ -247,11 +255,8 @@ def check(c):
                 continue
             if g is None:
                 return f"{name}: no gradient for {t}"
-            if grads_finite_only:
-                if not torch.isfinite(g[torch.isfinite(w)]).all():
-                    return f"{name} d{t}: non-finite where PyTorch's gradient is finite"
-                continue
-            why = compare(f"{name} d{t}", g, w, rg, c["dtype"], terms if t != "v" else 1.0)
+            why = compare(f"{name} d{t}", g, w, rg, c["dtype"],
+                          floor * (terms if t != "v" else 1.0))
             if why:
                 return why
     return ""

@@ -175,3 +175,64 @@ def test_short_query_training_forward_keeps_the_backward_exact():
     with _testing.counting() as counts, torch.no_grad():
         flashsdpa.scaled_dot_product_attention(*leaves)
         assert counts()["decode_blocks"] > 0
+
+
+def _grads(fn, q, k, v, mask, scale, go):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fn(*leaves, attn_mask=mask, scale=scale).backward(go)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("case", ["a row at -1e9", "huge scores"])
+def test_gradients_at_large_logits_as_pytorchs_math_path(case):
+    """Calls PyTorch runs on its math path (3-D inputs here) keep their gradients at any logit
+    size: the backward takes P from each row's logsumexp kept in two floats (softmax_stats, hi +
+    lo), not from the fp32 logsumexp alone, whose rounding (ulp(|lse|)) spreads over every P of
+    a row with a large lse, and which lost log(S) whole for a row at one huge constant
+    (gradients S times too large; issue 22 item 8)."""
+    from conftest import assert_within_rule
+    g = torch.Generator().manual_seed(3)
+    if case == "a row at -1e9":
+        q, k, v = (torch.randn(2, n, 16, generator=g) for n in (8, 24, 24))
+        mask, scale = torch.zeros(8, 24), None
+        mask[3] = -1e9          # every key: a row of equal scores
+        mask[5, :20] = -1e9     # most keys
+    else:                       # scores in the thousands
+        q, k, v = (torch.randn(2, n, 64, generator=g) * 8 for n in (17, 3, 3))
+        mask, scale = None, 2.0
+    go = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=g)
+    want = _grads(F.scaled_dot_product_attention, q, k, v, mask, scale, go)
+    ref = _grads(F.scaled_dot_product_attention, q.double(), k.double(), v.double(),
+                 None if mask is None else mask.double(), scale, go.double())
+    # (rows of one-hot P, as here, have dq and dk that are 0 in exact arithmetic: what is left
+    # is the rounding residue of dP - delta, which the fuzzer's cancelling_terms bounds; dv
+    # takes P itself and was 500x PyTorch's error)
+    names = "qkv" if case == "a row at -1e9" else "v"
+    for fn in (routed, flashsdpa.scaled_dot_product_attention):
+        for name, ours, w, r in zip("qkv", _grads(fn, q, k, v, mask, scale, go), want, ref):
+            if name in names:
+                assert_within_rule(ours, w, r, torch.float32, f"d{name}")
+
+
+def test_backward_without_softmax_stats_is_what_they_fix():
+    """The check above can fail: the same backward op given only the logsumexp (as aten's
+    autograd formula calls it) is S times off on the row at -1e9; with the forward's
+    softmax_stats it gives what PyTorch's math path gives in float32 (a uniform row: fp64 keeps
+    the scores under -1e9, float32 cannot). A malformed softmax_stats is an error naming it."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, n, 16, generator=g) for n in (4, 24, 24))
+    mask = torch.zeros(4, 24)
+    mask[1] = -1e9
+    out, lse, rng, stats = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)
+    assert stats.shape == (1, 1, 4, 2) and stats.dtype == torch.float32
+    go = torch.randn(out.shape, generator=g)
+    ref = _grads(F.scaled_dot_product_attention, q[0], k[0], v[0], mask, None, go[0])[2][None]
+    err = {}
+    for given in (stats, None):
+        dv = torch.ops.flashsdpa.flash_attn_bwd(go, q, k, v, out, lse, rng, mask,
+                                                softmax_stats=given)[2]
+        err[given is None] = (dv.double() - ref).abs().max().item()
+    assert err[False] < 1e-5 < 0.1 < err[True], err
+    with pytest.raises(RuntimeError, match="softmax_stats"):
+        torch.ops.flashsdpa.flash_attn_bwd(go, q, k, v, out, lse, rng, mask,
+                                           softmax_stats=stats[..., :1])

@@ -21,7 +21,7 @@ def test_dropout_matches_reference_with_same_mask(tier, causal, dtype):
     B, Hq, Hkv, L, S, D, p = 2, 4, 2, 45, 77, 32, 0.3
     q, k, v = make_qkv(B, Hq, Hkv, L, S, D, dtype=dtype, requires_grad=True)
     mask = torch.randn(1, Hq, L, S)
-    out, lse, rng = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, p, causal)
+    out, lse, rng, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, p, causal)
     keep = _keep_for(rng, B, Hq, L, S, p)
     assert 0.6 < keep.float().mean().item() < 0.8
 
@@ -59,10 +59,10 @@ def test_dropout_reproducible_with_manual_seed(tier):
 def test_dropout_draws_fresh_masks():
     q, k, v = make_qkv(1, 2, 2, 16, 16, 8)
     torch.manual_seed(0)
-    _, _, r1 = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.5, False)
-    _, _, r2 = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.5, False)
+    _, _, r1, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.5, False)
+    _, _, r2, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.5, False)
     assert not torch.equal(r1, r2), "consecutive calls must use different seeds"
-    _, _, r0 = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.0, False)
+    _, _, r0, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.0, False)
     assert torch.equal(r0, torch.zeros_like(r0)), "no dropout: rng_state is zeros"
 
 
@@ -97,7 +97,7 @@ def test_dropout_mean_converges_to_no_dropout(tier):
 def test_dropout_training_step_gradients_match_finite_difference(tier):
     """Gradient of sum(out * w) with a fixed keep-mask, against fp64 autograd on the same mask."""
     q, k, v = make_qkv(1, 1, 1, 12, 20, 8, requires_grad=True)
-    out, _, rng = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.4, False)
+    out, _, rng, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, None, 0.4, False)
     keep = _keep_for(rng, 1, 1, 12, 20, 0.4)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9))
     (out * w).sum().backward()

@@ -98,7 +98,7 @@ def test_op_errors(case):
 
 def test_backward_op_checks_saved_tensors():
     q, k, v = r(1, 2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)
-    out, lse, rng = fwd_op(q, k, v)
+    out, lse, rng, _ = fwd_op(q, k, v)
     with pytest.raises(RuntimeError, match="logsumexp must be float32"):
         bwd_op(out, q, k, v, out, lse[:, :1], rng, None, 0.0, False)
     with pytest.raises(RuntimeError, match="grad_out must have shape"):

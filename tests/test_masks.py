@@ -92,7 +92,7 @@ def test_all_masked_lse_is_zero(tier):
     """The LSE of a fully masked row is 0 (PyTorch's convention, so its backward sees P = 0)."""
     q, k, v = make_qkv(1, 1, 1, 4, 6, 8)
     mask = torch.zeros(4, 6, dtype=torch.bool)
-    out, lse, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)
+    out, lse, _, _ = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.equal(lse, torch.zeros_like(lse))
 

@@ -21,7 +21,7 @@ def test_opcheck_forward(layout, dtype):
 
 def test_opcheck_backward():
     q, k, v = make_qkv(1, 2, 2, 7, 11, 8, layout="blhd")
-    out, lse, rng = fwd_op(q, k, v, None, 0.0, False)
+    out, lse, rng, _ = fwd_op(q, k, v, None, 0.0, False)
     torch.library.opcheck(bwd_op, (torch.randn_like(out), q, k, v, out, lse, rng, None, 0.0,
                                    False))
 
@@ -29,7 +29,7 @@ def test_opcheck_backward():
 def test_layouts_match_pytorch():
     """Output like empty_like(query); LSE (B,H,L) on a (B,L,H) buffer; grads on (B,L,H,D)."""
     q, k, v = make_qkv(2, 3, 3, 5, 7, 8, layout="blhd", requires_grad=True)
-    out, lse, _ = fwd_op(q, k, v)
+    out, lse, _, _ = fwd_op(q, k, v)
     ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
     assert out.stride() == ref_out.stride()
     assert lse.stride() == ref_lse.stride()

@@ -353,7 +353,7 @@ def test_dropout_with_variants(tier):
     rng = []
 
     def run(q, k, v, kw):
-        out, _, state = torch.ops.flashsdpa.flash_attn_fwd(
+        out, _, state, _ = torch.ops.flashsdpa.flash_attn_fwd(
             q, k, v, None, p, False, window_left=kw["window"][0], window_right=kw["window"][1],
             softcap=kw["softcap"], alibi_slopes=kw["alibi"], sinks=kw["sinks"])
         rng.append(state)

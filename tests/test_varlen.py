@@ -158,7 +158,7 @@ def test_varlen_dropout_per_sequence_streams(tier):
     state = []
 
     def run(q, k, v, cu_q, cu_k, kw, return_lse):
-        out, lse, rng = torch.ops.flashsdpa.flash_attn_varlen_fwd(
+        out, lse, rng, _ = torch.ops.flashsdpa.flash_attn_varlen_fwd(
             q, k, v, cu_q, cu_k, 150, 150, p, window_left=kw["window"][0],
             window_right=kw["window"][1], alibi_slopes=kw["alibi"], sinks=kw["sinks"])
         state.append(rng)

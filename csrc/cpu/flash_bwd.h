@@ -1,7 +1,8 @@
 // Blocked flash-attention backward (FA2), written once for every tier.
 //
-// With s = log2(e) * (scale * Q K^T + mask) and lse2 = log2(e) * lse from the forward:
-//   P    = 2^(s - lse2)                       recomputed per tile, never stored
+// With s = log2(e) * (scale * Q K^T + mask) and each row's log2-domain logsumexp from the
+// forward as m + log2(1 / inv_l) (row_norm: its stats hi + lo, or log2(e) * lse):
+//   P    = 2^(s - m) * inv_l                  recomputed per tile, never stored
 //   Pd   = P * Z / (1 - p)                    Z: the forward's dropout keep bits (Philox)
 //   dV  += Pd^T dO
 //   dPd  = dO V^T;  dP = dPd * Z / (1 - p)
@@ -72,7 +73,10 @@ struct FlashBackward {
                                             o_crow<T>(p, it.b, it.h, i), int(p.Dv));
       *delta_ptr(p, it.b, it.h, i) = delta;
       // the sink's dS: P_sink * (0 - delta), its value being 0
-      if (p.sinks) dsink -= exp2_poly((p.sinks[it.h] - *lse_ptr(p, it.b, it.h, i)) * kLog2e) * delta;
+      if (p.sinks) {
+        const RowNorm n = row_norm(p, it.b, it.h, i);
+        dsink -= exp2_poly(p.sinks[it.h] * kLog2e - n.m) * n.inv_l * delta;
+      }
     }
     if (p.sinks) p.dsink_part[item] = dsink;
   }
@@ -95,7 +99,7 @@ struct FlashBackward {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     count_path(p, &PathCounters::bwd_tiles, 1);
 
-    // S = Q_blk K_blk^T, then P = 2^(s - lse2)
+    // S = Q_blk K_blk^T, then P = 2^(s - m) * inv_l
     Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
                               L.lds, false, ct.limit_n());
     const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
@@ -113,12 +117,15 @@ struct FlashBackward {
         for (int c = 0; c < w; ++c) srow[c] = 0.0f;
       } else {
         any = true;
-        // P = 2^(s - lse) <= 1. A row whose scores all sit at one huge constant (a finfo.min
-        // mask on every key) has an fp32 logsumexp that absorbed log(l) and, back in the log2
-        // domain, can land below the scores by far more than 1: no P above 1 (such rows get
-        // gradients up to l times too large, as with PyTorch's fused kernel, not overflow).
-        const float lse2 = *lse_ptr(p, b, h, i) * kLog2e;
-        Ops::Row::exp2_row_sum(srow, w, lse2 < mx ? mx : lse2);
+        // P = 2^(s - m) * inv_l <= 1. Without stats, a row whose scores all sit at one huge
+        // constant (a finfo.min mask on every key) has an fp32 logsumexp that absorbed log(l)
+        // and, back in the log2 domain, can land below the scores by far more than 1: no P
+        // above 1 (such rows get gradients up to l times too large, as with PyTorch's fused
+        // kernel, not overflow). With stats m is hi, within half an ulp of the exact lse, and
+        // no clamp: moving it to the row max would cost the very ulp the stats keep.
+        const RowNorm n = row_norm(p, b, h, i);
+        Ops::Row::exp2_row_sum(srow, w, p.stats || n.m >= mx ? n.m : mx);
+        if (n.inv_l != 1.0f) Ops::Row::scale_row(srow, w, n.inv_l);
       }
       for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);

@@ -85,6 +85,21 @@ template <class T> inline const T* do_row(const AttnParams& p, int64_t b, int64_
 inline float* lse_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return p.lse + b * p.lse_sb + h * p.lse_sh + i * p.lse_sl;
 }
+inline float* stats_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return p.stats + b * p.st_sb + h * p.st_sh + i * p.st_sl;
+}
+// Row i's normaliser for the backward: P = 2^(s - m) * inv_l, from the forward's stats when kept
+// (params.h: m = hi, inv_l = 2^-lo), else from the logsumexp (inv_l 1).
+struct RowNorm {
+  float m, inv_l;
+};
+inline RowNorm row_norm(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  if (p.stats) {
+    const float* st = stats_ptr(p, b, h, i);
+    return {st[0], exp2_poly(-st[1])};
+  }
+  return {*lse_ptr(p, b, h, i) * kLog2e, 1.0f};
+}
 inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return p.delta + (b * p.Hq + h) * p.Lq + i;
 }
@@ -197,13 +212,21 @@ inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m,
   return true;
 }
 
-// out = acc / l, lse = ln(2) * (m + log2(l)); rows with nothing to attend to (l == 0, or
-// Lk == 0) give out = 0 and lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf).
+// out = acc / l, lse = ln(2) * (m + log2(l)), and when kept the stats: m + log2(l) as hi + lo
+// (TwoSum: exact); rows with nothing to attend to (l == 0, or Lk == 0) give out = 0,
+// lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf) and stats (-inf, 0).
 template <class Ops, class T>
 inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, float m, float l,
                        const float* acc_row) {
   const bool empty = l == 0.0f;
-  *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + __builtin_log2f(l)) * kLn2;
+  const float lg = __builtin_log2f(l);
+  *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + lg) * kLn2;
+  if (p.stats) {
+    float* st = stats_ptr(p, b, h, i);
+    const float hi = m + lg, lg_part = hi - m;
+    st[0] = empty ? kNegInf : hi;
+    st[1] = empty ? 0.0f : (m - (hi - lg_part)) + (lg - lg_part);
+  }
   Ops::Row::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
 }
 

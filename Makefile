@@ -75,22 +75,25 @@ stress: build
 	$(PY) tests/stress_toggle.py --seconds 300 --threads 8
 
 # The default microbenchmark: forward, public suite, fp32 + bf16, causal and not, vs PyTorch.
+# Results go to bench/out/ (untracked): a run leaves the checkout clean.
 bench: build
 	$(PY) bench/bench_sdpa.py $(BENCH_ARGS)
 
 peak: build
 	$(PY) bench/peak.py
 
-# Every mode, then the README performance table regenerated from those results (and the GPU
-# results bench/gpu_check.sh last committed: no GPU here to refresh them).
+# Every mode, into the tracked bench/results/, then the README performance table regenerated
+# from those results (and the GPU results bench/gpu_check.sh last committed: no GPU here to
+# refresh them). The other bench targets write untracked files (bench/out/, bench/.build/),
+# hw-check excepted (bench/results/hw_*).
 bench-all: build
-	$(PY) bench/bench_sdpa.py --mode fwd
-	$(PY) bench/bench_sdpa.py --mode train
-	$(PY) bench/bench_sdpa.py --mode decode
-	$(PY) bench/bench_paths.py
-	$(PY) bench/bench_sdpa.py --mode variants
-	$(PY) bench/bench_sdpa.py --mode serving
-	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16
+	$(PY) bench/bench_sdpa.py --mode fwd --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode train --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode decode --out-dir bench/results
+	$(PY) bench/bench_paths.py --out bench/results/paths.json
+	$(PY) bench/bench_sdpa.py --mode variants --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode serving --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16 --out-dir bench/results
 	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json \
 	  bench/results/decode.json bench/results/paths.json bench/results/variants.json \
 	  bench/results/serving.json bench/results/hf.json \

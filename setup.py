@@ -109,6 +109,7 @@ setup(
     version="0.1.0",
     description="Fused flash attention for CPUs (AVX2/AVX-512/AMX) and Intel GPUs (Triton), "
     "behind torch.nn.functional.scaled_dot_product_attention",
+    license="BSD-3-Clause",
     packages=["flashsdpa", "flashsdpa.kernels"],
     py_modules=["flashsdpa_autoload"],
     package_dir={"flashsdpa": "flashsdpa", "flashsdpa.kernels": "kernels"},

@@ -128,7 +128,8 @@ def main(argv=None):
                     help="rounds per case (default per mode as make bench-all: 5, 3, 11)")
     ap.add_argument("--shapes", default=None, help="BxH[/Hkv]xLxD,... (default per mode as "
                     "make bench-all; decode: L is the KV length)")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--dtypes", default="fp32,bf16",
+                    help="comma separated, as bench_sdpa.py --dtypes takes them")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     ap.add_argument("--tag", default=None, help="result_<tag>.json (default: the base sha)")
@@ -175,14 +176,15 @@ def main(argv=None):
     print("| mode | shape (B,H/Hkv,Lq,S,D) | dtype | causal | base ms | new ms | new/base "
           "| new rate |\n|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
+    # decode: q_len 1 sees the whole cache, so causal or not is one case (as bench_sdpa)
+    causals = {m: [False] if m == "decode" else
+               {"both": [False, True], "yes": [True], "no": [False]}[args.causal] for m in modes}
+    progress = bs.Progress(sum(len(cases[m]) * len(dtypes) * len(causals[m]) for m in modes))
     for mode in modes:
         repeats = args.repeats or bs.DEFAULT_REPEATS[mode]
-        # decode: q_len 1 sees the whole cache, so causal or not is one case (as bench_sdpa)
-        causals = [False] if mode == "decode" else \
-            {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
         for (B, Hq, Hkv, L, D) in cases[mode]:
             for dtype in dtypes:
-                for causal in causals:
+                for causal in causals[mode]:
                     q, k, v = bs.make_inputs(B, Hq, Hkv, L, D, dtype, mode)
                     Lq, gqa = q.shape[2], Hq != Hkv
                     steps = {p: bs.make_step(fn, q, k, v, causal, gqa, mode)
@@ -206,6 +208,8 @@ def main(argv=None):
                           f"{'yes' if causal else 'no'} | {med['base'] * 1e3:.3f} | "
                           f"{med['new'] * 1e3:.3f} | {ratio:.3f} | "
                           f"{work / med['new'] * 1e-9:.1f} {unit} |", flush=True)
+                    progress.case_done(f"{mode} {B},{heads},{Lq},{L},{D} {dt}"
+                                       + (" causal" if causal else "") + f": new/base {ratio:.3f}")
 
     summary = {}
     for mode in modes:

@@ -12,7 +12,8 @@ Cases, per family and dtype (interleaved medians):
               (DataCollatorWithFlattening) for flashsdpa, padded to the longest for every
               provider ("fused_attention padded" shows the kernels' part without packing)
 Before timing, every provider's logits are checked against eager attention's in fp32.
-Results: bench/results/hf.json, bench/results/hf.png (speedups over eager and sdpa).
+Results: bench/out/hf.json and hf.png beside it (speedups over eager and sdpa), or where --out
+says (`make bench-all`: bench/results/, whose plot the README shows).
 
     python bench/bench_hf.py                      # every family and case, fp32
     python bench/bench_hf.py --families llama --cases prefill --dtypes fp32,bf16
@@ -28,8 +29,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_sdpa import (add_run_args, apply_run_args, geomean, host_meta,  # noqa: E402
-                         save_json, time_case)
+from bench_sdpa import (DTYPE_ALIASES, Progress, add_run_args, apply_run_args,  # noqa: E402
+                        geomean, host_meta, save_json, time_case)
 
 import flashsdpa.hf  # noqa: E402
 
@@ -176,7 +177,7 @@ def check_agreement(family, model, impls, dtype, tiny):
     return errs
 
 
-def run_family(family, dtype, cases, repeats, tiny):
+def run_family(family, dtype, cases, repeats, tiny, progress):
     model = build(family, dtype, tiny)
     impls = providers(model)
     prompt = 64 if tiny else PROMPT
@@ -200,8 +201,8 @@ def run_family(family, dtype, cases, repeats, tiny):
         elif case == "prefill":
             row["tokens_per_s"] = {p: prompt / (t * 1e-3) for p, t in ms.items()}
         rows.append(row)
-        print(f"{family} {row['dtype']} {case}: {FUSED} {ms[FUSED]:.1f} ms; "
-              + ", ".join(f"{p} {x:.2f}x" for p, x in row["speedup"].items()), flush=True)
+        progress.case_done(f"{family} {row['dtype']} {case}: {FUSED} {ms[FUSED]:.1f} ms; "
+                           + ", ".join(f"{p} {x:.2f}x" for p, x in row["speedup"].items()))
     return rows
 
 
@@ -238,7 +239,6 @@ def plot(rows, path):
         print("matplotlib is not installed: no plot")
         return None
     cases = [c for c in CASES if any(r["case"] == c for r in rows)]
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     fig, axes = plt.subplots(1, len(cases), figsize=(4.8 * len(cases), 3.6), squeeze=False)
     for ax, case in zip(axes[0], cases):
         sel = [r for r in rows if r["case"] == case]
@@ -252,7 +252,7 @@ def plot(rows, path):
             ax.bar(xs, ys, width, label=label)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(sel)),
-                      [f"{r['family']}\n{short.get(r['dtype'], r['dtype'])}" for r in sel],
+                      [f"{r['family']}\n{DTYPE_ALIASES.get(r['dtype'], r['dtype'])}" for r in sel],
                       fontsize=7)
         ax.set_title({"prefill": "prefill", "decode": "decode tokens/s",
                       "train": "training step (packed)"}[case], fontsize=9)
@@ -279,9 +279,11 @@ def main(argv=None):
     flashsdpa.hf.register(FUSED)
     meta = dict(host_meta("hf"), transformers=transformers.__version__)
     rows = []
+    progress = Progress(len(families) * len(dtypes) * len(cases))
     for family in families:
         for dtype in dtypes:
-            rows += run_family(family, dtype, cases, args.repeats or DEFAULT_REPEATS, args.tiny)
+            rows += run_family(family, dtype, cases, args.repeats or DEFAULT_REPEATS, args.tiny,
+                               progress)
     print(markdown(meta, rows))
     print(f"\nresults: {save_json(args.out, meta, rows)}")
     png = plot(rows, os.path.splitext(args.out)[0] + ".png")

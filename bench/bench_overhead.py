@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sdpa import DTYPES, parse_shapes  # noqa: E402
+from bench_sdpa import DTYPE_ALIASES, DTYPE_HELP, dtype_of, parse_shapes  # noqa: E402
 
 import flashsdpa  # noqa: E402
 
@@ -29,11 +29,15 @@ def per_call_us(fn, calls):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1x8x64x64,1x8x128x64,1x1x16x16")
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
-    dtype = DTYPES[args.dtype]
+    try:
+        dtype = dtype_of(args.dtype)
+    except ValueError as e:
+        ap.error(str(e))
+    name = DTYPE_ALIASES[str(dtype)]  # the short name, however it was given
     print("| shape | dtype | causal | F.sdpa disabled us | F.sdpa enabled us | direct API us |"
           " enabled / disabled |")
     print("|---|---|---|---|---|---|---|")
@@ -55,7 +59,7 @@ def main(argv=None):
                 res["direct"].append(per_call_us(d, args.calls))
             flashsdpa.disable()
             off, on, direct = (statistics.median(res[k]) for k in ("off", "on", "direct"))
-            print(f"| {B},{Hq},{L},{D} | {args.dtype} | {'yes' if causal else 'no'} | "
+            print(f"| {B},{Hq},{L},{D} | {name} | {'yes' if causal else 'no'} | "
                   f"{off:.1f} | {on:.1f} | {direct:.1f} | {on / off:.2f} |")
     return 0
 

@@ -3,7 +3,7 @@ choice (the path on) against the same call with the path forced off (flashsdpa._
 interleaved in one process, medians over rounds. A path stays in the code only while its case
 shows a gain here on some tier, and tests/test_paths.py proves that it runs.
 
-    python bench/bench_paths.py                 # every path; JSON in bench/results/paths.json
+    python bench/bench_paths.py                 # every path; JSON in bench/out/paths.json
     python bench/bench_paths.py --paths transposed,fused_exp --repeats 11
 """
 import argparse
@@ -15,8 +15,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_sdpa import (flops, geomean, host_meta, make_inputs, make_step,  # noqa: E402
-                        parse_names, save_json, time_case, _flashsdpa)
+from bench_sdpa import (OUT_DIR, Progress, flops, geomean, host_meta,  # noqa: E402
+                        make_inputs, make_step, parse_names, save_json, time_case, _flashsdpa)
 
 from flashsdpa import _testing  # noqa: E402
 
@@ -86,7 +86,8 @@ def main(argv=None):
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "paths.json"))
+    ap.add_argument("--out", default=os.path.join(OUT_DIR, "paths.json"),
+                    help="JSON file (default: bench/out/paths.json)")
     args = ap.parse_args(argv)
     try:
         names = parse_names("path", args.paths, PATHS)
@@ -98,9 +99,10 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     meta = host_meta("paths")
     rows = []
+    progress = Progress(len(names))
     for n in names:
         rows.append(run_path(n, args.repeats))
-        print(f"{n}: gain {rows[-1]['gain']:.3f}x", flush=True)
+        progress.case_done(f"{n}: gain {rows[-1]['gain']:.3f}x")
     print(markdown(meta, rows))
     print(f"\nresults: {save_json(args.out, meta, rows)}")
     return 0

@@ -19,10 +19,13 @@ handed to bench/bench_hf.py); those three with --dtypes, --repeats, --threads.
 For every case the providers run interleaved (A B C A B C ...), each sample timing enough calls
 to last ~20 ms; the table shows medians, GFLOP/s (GB/s of K+V for decode), the speedup against
 torch_flash and the fraction of the machine's peak measured by bench/peak.py. Results also go to
-JSON and CSV (bench/results/) with the CPU model, tiers, threads and versions.
+JSON and CSV with the CPU model, tiers, threads and versions: in bench/out/ (untracked) unless
+--out-dir says otherwise (`make bench-all` writes bench/results/, the tracked results behind
+the README's tables). A progress line per case, with an estimate of the time left, goes to
+stderr. Dtypes: fp32, bf16, fp16, or torch's names (float32, torch.bfloat16, ...).
 
     python bench/bench_sdpa.py                       # default: fwd, public suite, fp32+bf16
-    python bench/bench_sdpa.py --mode train --dtypes bf16 --causal yes
+    python bench/bench_sdpa.py --mode train --dtypes bfloat16 --causal yes
     python bench/bench_sdpa.py --mode decode
     python bench/bench_sdpa.py --shapes 1x16x1024x64,1x16/4x1024x128   # BxH[/Hkv]xLxD
     python bench/bench_sdpa.py --device xpu --dtypes fp16,bf16 --mode train
@@ -49,7 +52,19 @@ import peak  # noqa: E402
 import flashsdpa  # noqa: E402
 from flashsdpa import _C  # noqa: E402
 
+# The dtypes the benchmarks run, by short name. torch's names of the same dtypes ("float32",
+# "torch.float32") are aliases, derived from this table so that the two never disagree; every
+# bench/ CLI that takes a dtype reads it through dtype_of() / parse_dtypes().
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_ALIASES = {alias: short for short, dt in DTYPES.items()
+                 for alias in (short, str(dt), str(dt).replace("torch.", ""))}
+DTYPE_HELP = "fp32, bf16, fp16, or torch's names (float32, torch.bfloat16, ...)"
+
+# Where runs write their results unless told otherwise: untracked (.gitignore), so that a run
+# leaves the checkout clean. bench/results/ holds the tracked results behind the README's
+# tables; only `make bench-all` (and hw_check.sh / gpu_check.sh, whose results are kept) write
+# there, through --out-dir / --out.
+OUT_DIR = os.path.join(HERE, "out")
 
 # (B, Hq, Hkv, L, D): the public prefill suite
 PREFILL_SUITE = [
@@ -202,6 +217,34 @@ def time_case(steps, repeats, target_s=0.02, between=None, between_after=None, a
     return samples
 
 
+def clock(seconds):
+    """m:ss (h:mm:ss from an hour on)."""
+    m, s = divmod(int(seconds + 0.5), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class Progress:
+    """The progress of a run, one line per finished case on stderr (stdout keeps only the
+    tables): the case's number of the total, what it measured, the time since the first case
+    started and an estimate of the time left, the mean time of the finished cases times the
+    number left (cases differ in size, so the first estimates are rough). Every bench mode
+    (and ab.py) reports through it."""
+
+    def __init__(self, total):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def elapsed(self):
+        return time.perf_counter() - self.start
+
+    def case_done(self, what):
+        self.done += 1
+        elapsed = self.elapsed()
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"[{self.done}/{self.total}] {what} | {clock(elapsed)} elapsed, "
+              f"~{clock(left)} left", file=sys.stderr, flush=True)
+
+
 # ---- cases -----------------------------------------------------------------------------------------
 def parse_shapes(spec, mode):
     if spec == "suite":
@@ -232,20 +275,31 @@ def parse_names(flag, spec, allowed):
     return names
 
 
-def parse_dtypes(spec):
-    return [DTYPES[d] for d in parse_names("dtype", spec, DTYPES)]
+def dtype_of(name, flag="--dtype"):
+    """A dtype by short or torch name (DTYPES, DTYPE_ALIASES); ValueError naming `flag`."""
+    short = DTYPE_ALIASES.get(name.strip())
+    if short is None:
+        torch_names = ", ".join(str(dt).replace("torch.", "") for dt in DTYPES.values())
+        raise ValueError(f"{flag}: unknown dtype {name!r}; choose from {', '.join(DTYPES)} "
+                         f"or torch's names ({torch_names}, also as torch.<name>)")
+    return DTYPES[short]
+
+
+def parse_dtypes(spec, flag="--dtypes"):
+    """Comma-separated dtype names -> torch dtypes, in order, each once (dtype_of)."""
+    return list(dict.fromkeys(dtype_of(name, flag) for name in spec.split(",")))
 
 
 def add_run_args(ap, out_name, repeats_help):
-    """The options bench_variants.py and bench_serving.py share: --dtypes, --repeats,
-    --threads, --tiny, --out (results/<out_name>)."""
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    """The options bench_variants.py, bench_serving.py and bench_hf.py share: --dtypes,
+    --repeats, --threads, --tiny, --out (bench/out/<out_name>)."""
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma separated: " + DTYPE_HELP)
     ap.add_argument("--repeats", type=int, default=0, help=repeats_help)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="small shapes: a smoke test of this "
                     "script, not a benchmark")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", out_name))
+    ap.add_argument("--out", default=os.path.join(OUT_DIR, out_name),
+                    help=f"JSON file (default: bench/out/{out_name})")
 
 
 def apply_run_args(ap, args, **names):
@@ -299,7 +353,7 @@ def run(args):
                 repeats=args.repeats, peak=pk)
     rows = []
     read_probes = []  # decode mode: per case, one probe per timing round
-    started = time.perf_counter()
+    progress = Progress(len(shapes) * len(dtypes) * len(causal_opts))
     for (B, Hq, Hkv, L, D) in shapes:
         for dtype in dtypes:
             for causal in causal_opts:
@@ -322,9 +376,15 @@ def run(args):
                     between_after="flashsdpa")
                 if probing:
                     read_probes.append(probes)
-                rows += summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples,
-                                  pk, probes if probing else None)
-                if args.budget and time.perf_counter() - started > args.budget:
+                case_rows = summarize(B, Hq, Hkv, Lq, L, D, dtype, causal, args.mode, samples,
+                                      pk, probes if probing else None)
+                rows += case_rows
+                heads = f"{Hq}/{Hkv}" if gqa else f"{Hq}"
+                progress.case_done(
+                    f"{args.mode} {B},{heads},{Lq},{L},{D} {case_rows[0]['dtype']}"
+                    + (" causal" if causal else "") + ": "
+                    + ", ".join(f"{r['provider']} {r['ms']:.2f} ms" for r in case_rows))
+                if args.budget and progress.elapsed() > args.budget:
                     print(f"# time budget of {args.budget}s reached; stopping early",
                           file=sys.stderr)
                     return finish_meta(meta, read_probes), rows
@@ -506,8 +566,7 @@ def write_outputs(meta, rows, out_dir, tag):
         w.writeheader()
         for r in rows:
             w.writerow(dict(r, cpu=meta["cpu"], threads=meta["threads"], torch=meta["torch"],
-                            tier=meta["tiers"].get({"float32": "fp32", "bfloat16": "bf16",
-                                                    "float16": "fp16"}[r["dtype"]])))
+                            tier=meta["tiers"].get(DTYPE_ALIASES[r["dtype"]])))
     return base + ".json"
 
 
@@ -520,7 +579,7 @@ def main(argv=None):
     ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     ap.add_argument("--providers", default=None,
                     help="default: flashsdpa,torch_flash (cpu) or flashsdpa,torch (GPU)")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma separated: " + DTYPE_HELP)
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--shapes", default="suite", help="suite, tiny, or BxH[/Hkv]xLxD,...")
     ap.add_argument("--repeats", type=int, default=None,
@@ -528,7 +587,9 @@ def main(argv=None):
                          "and this host's read bandwidth swings, so more rounds steady the medians)")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     ap.add_argument("--budget", type=float, default=0, help="stop after this many seconds")
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out-dir", default=OUT_DIR,
+                    help="where the JSON / CSV go (default bench/out/, untracked; make "
+                         "bench-all: bench/results/)")
     ap.add_argument("--tag", default=None, help="output file name (default: the mode)")
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
@@ -537,7 +598,8 @@ def main(argv=None):
         import importlib
         return importlib.import_module(f"bench_{args.mode}").main(
             ["--dtypes", args.dtypes, "--repeats", str(args.repeats or 0),
-             "--threads", str(args.threads)])
+             "--threads", str(args.threads),
+             "--out", os.path.join(args.out_dir, f"{args.tag or args.mode}.json")])
     if args.repeats is None:
         args.repeats = DEFAULT_REPEATS[args.mode]
     if args.repeats < 1:

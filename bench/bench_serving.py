@@ -13,7 +13,8 @@ checked against flashsdpa over the dequantised cache (the quantisation is not an
 kernel). Decode rows report GB/s of K + V read (fp8: its bytes) and its fraction of the read
 bandwidth probed right after each round's flashsdpa sample (bench/peak.py, as bench_sdpa.py
 --mode decode), from flashsdpa's providers timed again without PyTorch's in the rounds. Every provider's
-output is checked against flashsdpa's before timing. Results: bench/results/serving.json.
+output is checked against flashsdpa's before timing. Results: bench/out/serving.json (--out;
+`make bench-all`: bench/results/serving.json).
 
     python bench/bench_serving.py                  # every case, fp32 and bf16
     python bench/bench_serving.py --cases decode --dtypes bf16
@@ -30,8 +31,8 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peak  # noqa: E402
-from bench_sdpa import (add_run_args, apply_run_args, geomean, host_meta,  # noqa: E402
-                         save_json, time_case)
+from bench_sdpa import (Progress, add_run_args, apply_run_args, geomean,  # noqa: E402
+                        host_meta, save_json, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -244,17 +245,18 @@ def main(argv=None):
             CASES[name] = (kind, what + " (tiny)", c)
     meta = host_meta("serving")
     rows = []
+    progress = Progress(len(cases) * len(dtypes))
     for name in cases:
         for dtype in dtypes:
             kind = CASES[name][0]
             rows.append(run_case(name, dtype, args.repeats or DEFAULT_REPEATS[kind],
                                  args.peak_read_mib))
             r = rows[-1]
-            print(f"{name} {r['dtype']}: flashsdpa {r['ms']['flashsdpa']:.2f} ms; "
-                  + ", ".join(f"{p} {x:.2f}x" for p, x in r["speedup"].items())
-                  + ("; read " + ", ".join(f"{p} {100 * f:.0f}%" for p, f in
-                                           r["frac_read"].items()) if "frac_read" in r else ""),
-                  flush=True)
+            progress.case_done(
+                f"{name} {r['dtype']}: flashsdpa {r['ms']['flashsdpa']:.2f} ms; "
+                + ", ".join(f"{p} {x:.2f}x" for p, x in r["speedup"].items())
+                + ("; read " + ", ".join(f"{p} {100 * f:.0f}%" for p, f in
+                                         r["frac_read"].items()) if "frac_read" in r else ""))
     print(markdown(meta, rows))
     print(f"\nresults: {save_json(args.out, meta, rows)}")
     return 0

@@ -11,7 +11,8 @@ what PyTorch offers for the same attention:
                       (softmax in fp32); skipped where the fp32 scores would pass EAGER_LIMIT
 All causal, q/k/v (B, H, L, D) contiguous. Before timing, every peer's forward output is checked
 against flashsdpa's (check_agreement). Providers run interleaved, medians over rounds
-(bench_sdpa.time_case). Results: bench/results/variants.json; report.py renders its table.
+(bench_sdpa.time_case). Results: bench/out/variants.json (--out; `make bench-all`:
+bench/results/variants.json); report.py renders its table.
 
     python bench/bench_variants.py                          # every case, fwd and train
     python bench/bench_variants.py --cases window --modes fwd --dtypes bf16 --repeats 3
@@ -30,8 +31,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_sdpa import (add_run_args, apply_run_args, geomean, host_meta,  # noqa: E402
-                         save_json, time_case)
+from bench_sdpa import (Progress, add_run_args, apply_run_args, geomean,  # noqa: E402
+                        host_meta, save_json, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -269,14 +270,15 @@ def main(argv=None):
             CASES[name] = ((B, 2, 256, 32), kw, targets)
     meta = host_meta("variants")
     rows = []
+    progress = Progress(len(cases) * len(modes) * len(dtypes))
     for name in cases:
         for mode in modes:
             for dtype in dtypes:
                 r = run_case(name, dtype, mode, args.repeats or DEFAULT_REPEATS[mode])
                 rows.append(r)
-                print(f"{name} {mode} {r['dtype']}: vs plain {r['vs_plain']:.3f} "
-                      f"({'met' if r['met'] else 'MISSED'}); "
-                      + ", ".join(f"{p} {x:.2f}x" for p, x in r["speedup"].items()), flush=True)
+                progress.case_done(f"{name} {mode} {r['dtype']}: vs plain {r['vs_plain']:.3f} "
+                                   f"({'met' if r['met'] else 'MISSED'}); "
+                                   + ", ".join(f"{p} {x:.2f}x" for p, x in r["speedup"].items()))
     print(markdown(meta, rows))
     print(f"\nresults: {save_json(args.out, meta, rows)}")
     return 0

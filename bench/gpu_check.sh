@@ -36,7 +36,7 @@ timeout 300 $PY -m pytest -q --maxfail=5 -p no:cacheprovider $XDIST tests/test_t
 echo; echo "== bench on $DEVICE (Triton kernels vs PyTorch's SDPA)"
 SHAPES=4x16x1024x64,2x16x2048x128,1x32/8x4096x128,8x16x512x256
 timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode fwd --dtypes fp16,bf16 \
-  --shapes "$SHAPES" --repeats 5 --tag gpu_fwd
+  --shapes "$SHAPES" --repeats 5 --tag gpu_fwd --out-dir bench/results
 timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode train --dtypes fp16,bf16 \
-  --causal yes --shapes "$SHAPES" --repeats 5 --tag gpu_train
+  --causal yes --shapes "$SHAPES" --repeats 5 --tag gpu_train --out-dir bench/results
 exit $test_rc

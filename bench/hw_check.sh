@@ -20,8 +20,8 @@ $PY -m pytest -q -x -p no:cacheprovider -k "not emu-" \
 TIERS=$($PY -c "from flashsdpa import _C; print(','.join('flashsdpa@' + t['name'] for t in _C.tiers() if t['built'] and t['cpu_ok'] and t['name'] != 'portable'))")
 echo; echo "== bench, tiers: ${TIERS}"
 $PY bench/bench_sdpa.py --mode fwd --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
-  --causal no --shapes 1x16x1024x64,1x8x2048x128 --repeats 3 --tag hw_fwd
+  --causal no --shapes 1x16x1024x64,1x8x2048x128 --repeats 3 --tag hw_fwd --out-dir bench/results
 $PY bench/bench_sdpa.py --mode train --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
-  --causal yes --shapes 1x16x1024x64 --repeats 3 --tag hw_train
+  --causal yes --shapes 1x16x1024x64 --repeats 3 --tag hw_train --out-dir bench/results
 $PY bench/bench_sdpa.py --mode decode --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
-  --shapes 1x32x4096x128,1x32/8x8192x128 --repeats 5 --tag hw_decode
+  --shapes 1x32x4096x128,1x32/8x8192x128 --repeats 5 --tag hw_decode --out-dir bench/results

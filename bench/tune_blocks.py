@@ -14,7 +14,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sdpa import DTYPES, flops, parse_shapes  # noqa: E402
+from bench_sdpa import DTYPE_ALIASES, DTYPE_HELP, dtype_of, flops, parse_shapes  # noqa: E402
 
 import flashsdpa  # noqa: E402
 from flashsdpa import _testing  # noqa: E402
@@ -24,13 +24,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["fwd", "train"], default="fwd")
     ap.add_argument("--shapes", default="1x16x1024x64,1x8x2048x128")
-    ap.add_argument("--dtype", default="fp32")
+    ap.add_argument("--dtype", default="fp32", help=DTYPE_HELP)
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--bq", default="0,64,96,192", help="0: the tier's choice")
     ap.add_argument("--bk", default="0,128,256")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args(argv)
-    dtype = DTYPES[args.dtype]
+    try:
+        dtype = dtype_of(args.dtype)
+    except ValueError as e:
+        ap.error(str(e))
+    name = DTYPE_ALIASES[str(dtype)]  # the short name, however it was given
     configs = list(itertools.product([int(x) for x in args.bq.split(",")],
                                      [int(x) for x in args.bk.split(",")]))
     for (B, Hq, Hkv, L, D) in parse_shapes(args.shapes, args.mode):
@@ -61,7 +65,7 @@ def main(argv=None):
                 times[c].append(time.perf_counter() - t0)
         _testing.set_policy({})
         fl = flops(B, Hq, L, L, D, args.causal, args.mode)
-        print(f"{B}x{Hq}/{Hkv}x{L}x{D} {args.dtype} {'causal' if args.causal else ''}")
+        print(f"{B}x{Hq}/{Hkv}x{L}x{D} {name} {'causal' if args.causal else ''}")
         for c, ts in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
             print(f"  bq={c[0] or 'tier':>4} bk={c[1] or 'tier':>4}: "
                   f"{fl / statistics.median(ts) * 1e-9:7.1f} GFLOP/s")

@@ -11,9 +11,14 @@ ENV_VAR = "FLASHSDPA_CPU_ISA"
 
 def configure_from_env():
     """Applies FLASHSDPA_CPU_ISA (called at import). An unknown tier name raises ValueError and
-    a tier this CPU/OS cannot run raises RuntimeError, both naming the variable."""
+    a tier this CPU/OS cannot run raises RuntimeError, both naming the variable and the values
+    it takes (every tier's name; the tiers this CPU runs)."""
     value = os.environ.get(ENV_VAR, "").strip().lower()
-    _C.set_isa_cap(value)
+    try:
+        _C.set_isa_cap(value)
+    except RuntimeError as e:  # the ValueError of an unknown name lists the tiers already
+        runnable = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"]]
+        raise RuntimeError(f"{e}; this CPU runs {', '.join(runnable)}") from None
 
 
 def cpu_isa(dtype=torch.float32):

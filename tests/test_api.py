@@ -148,6 +148,53 @@ def test_env_cap_unsupported_tier_is_a_clear_error():
     assert f"FLASHSDPA_CPU_ISA={missing[0]}: this CPU/OS cannot run" in res.stderr
 
 
+def test_unbuilt_source_tree_says_how_to_build(tmp_path):
+    """Python run in a clone whose extension is not built: `import flashsdpa` is an ImportError
+    that says so and how to build it (not the "circular import" Python reports for a missing
+    submodule of a package being imported), and under FLASHSDPA_AUTOLOAD=1 `import torch` still
+    works, warning that flashsdpa is left off."""
+    import shutil
+    pkg = os.path.dirname(flashsdpa.__file__)
+    shutil.copytree(pkg, tmp_path / "flashsdpa",
+                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    # torch's autoload entry point imports this module when it finds flashsdpa installed
+    shutil.copy(os.path.join(os.path.dirname(pkg), "flashsdpa_autoload.py"), tmp_path)
+    # -S: no site-packages .pth files, so no editable install's finder that would hand the copy
+    # the checkout's built extension; torch is found where it is installed
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    prelude = f"import sys; sys.path[:0] = [{str(tmp_path)!r}]; sys.path.append({site!r}); "
+    env = {k: v for k, v in os.environ.items() if k != "FLASHSDPA_AUTOLOAD"}
+    res = subprocess.run([sys.executable, "-S", "-c", prelude + "import flashsdpa"], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    want = (f"ImportError: flashsdpa's C++ extension (flashsdpa._C) is not built for this "
+            f"Python in {tmp_path / 'flashsdpa'}: build it with `make build` in the source "
+            "tree, or install flashsdpa with `pip install --no-build-isolation -e .`")
+    assert want in res.stderr and "circular import" not in res.stderr, res.stderr
+
+    code = prelude + "import torch; print('flashsdpa' in sys.modules)"
+    res = subprocess.run([sys.executable, "-S", "-c", code], env=dict(env, FLASHSDPA_AUTOLOAD="1"),
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "False"
+    assert "FLASHSDPA_AUTOLOAD=1: flashsdpa is left off: " + want in res.stderr, res.stderr
+
+
+def test_readme_logger_snippet_prints_fallback_reasons():
+    """The README's snippet for the `flashsdpa` logger, run as written, prints a fallback's
+    reason (a logger set to DEBUG without a handler anywhere prints nothing)."""
+    import re
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    snippet = next(b for b in blocks if 'getLogger("flashsdpa")' in b)
+    res = _run_python(snippet + "import torch, flashsdpa\n"
+                      "q = torch.randn(1, 2, 8, 16, dtype=torch.float64)\n"
+                      "flashsdpa.scaled_dot_product_attention(q, q, q)\n", {})
+    assert res.returncode == 0, res.stderr
+    assert "flashsdpa fallback to PyTorch: dtype torch.float64" in res.stderr, res.stderr
+
+
 def test_module_report():
     res = subprocess.run([sys.executable, "-m", "flashsdpa"], capture_output=True, text=True,
                          timeout=120)

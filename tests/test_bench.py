@@ -22,6 +22,65 @@ def rendered_readme(tmp_path, results, text="<!-- bench:begin -->\n<!-- bench:en
     assert rep.returncode == 0, rep.stderr
     return readme.read_text()
 
+
+def assert_progress_per_case(res, cases):
+    """A finished bench run printed one progress line per case, all on stderr (stdout holds
+    the tables); returns them."""
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("[")]
+    assert [ln.split("]")[0] for ln in lines] == [f"[{i}/{cases}" for i in range(1, cases + 1)]
+    assert all(" elapsed, ~" in ln and ln.endswith(" left") for ln in lines), lines
+    assert " elapsed, ~" not in res.stdout
+    return lines
+
+
+def test_dtype_names_short_or_torchs():
+    """--dtypes takes fp32 / bf16 / fp16 and torch's names for them, with or without "torch.";
+    each dtype once, in the order given."""
+    import torch
+    assert bench_sdpa.parse_dtypes("float32,torch.bfloat16, fp16,fp32,torch.float16") == [
+        torch.float32, torch.bfloat16, torch.float16]
+    for short, dt in bench_sdpa.DTYPES.items():
+        name = str(dt).replace("torch.", "")
+        assert bench_sdpa.dtype_of(name) == bench_sdpa.dtype_of(f"torch.{name}") == dt
+        assert bench_sdpa.DTYPE_ALIASES[name] == short  # how results name a dtype's tier
+    with pytest.raises(ValueError, match="--dtype: unknown dtype 'half'"):
+        bench_sdpa.dtype_of("half")
+
+
+def test_progress_estimates_the_time_left(capsys, monkeypatch):
+    clock = iter([100.0, 110.0, 130.0])
+    monkeypatch.setattr(bench_sdpa.time, "perf_counter", lambda: next(clock))
+    progress = bench_sdpa.Progress(4)
+    progress.case_done("first")   # 10 s for 1 case: 3 left, ~30 s
+    progress.case_done("second")  # 30 s for 2 cases: 2 left, ~30 s
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == ["[1/4] first | 0:10 elapsed, ~0:30 left",
+                                "[2/4] second | 0:30 elapsed, ~0:30 left"]
+    assert bench_sdpa.clock(3725) == "1:02:05"
+
+
+def test_bench_output_is_untracked_unless_bench_all():
+    """Runs write to bench/out/ (ignored by git) unless told otherwise; `make bench-all` points
+    every bench it runs at the tracked bench/results/ and renders the README from there."""
+    assert bench_sdpa.OUT_DIR == os.path.join(BENCH, "out")
+    import shutil
+    if not shutil.which("git") or not os.path.isdir(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "-C", ROOT, "check-ignore", "-q", "bench/out/fwd.json"])
+    assert ignored.returncode == 0, "bench/out/ is not in .gitignore"
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    dry = subprocess.run(["make", "-n", "-C", ROOT, "bench-all", "bench"], capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    runs = [ln for ln in dry.stdout.splitlines() if "bench/bench_" in ln]
+    default = [ln for ln in runs if "bench/results" not in ln]
+    assert len(runs) == 8 and len(default) == 1 and "--out" not in default[0], runs  # make bench
+    assert any("report.py --readme README.md bench/results/fwd.json" in ln
+               for ln in dry.stdout.splitlines())
+
+
 def test_visible_pairs_matches_a_mask_count():
     import torch
     for L, S in ((7, 7), (5, 9), (9, 5), (1, 4)):
@@ -38,6 +97,9 @@ def test_bench_tiny_run(tmp_path, mode):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "vs torch_flash" in res.stdout
+    cases = len(bench_sdpa.TINY_DECODE if mode == "decode" else bench_sdpa.TINY_SUITE) * (
+        1 if mode == "decode" else 2) * 2  # shapes x causal x (fp32, bf16)
+    assert assert_progress_per_case(res, cases)[-1].startswith(f"[{cases}/{cases}] {mode} ")
     data = json.loads((tmp_path / f"{mode}.json").read_text())
     pk = data["meta"]["peak"]
     assert pk["fma_peak_gflops"] > 0
@@ -107,7 +169,8 @@ def test_bench_gpu_device_needs_a_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--dtypes", "float32"], "--dtypes: unknown dtype 'float32'"),
+    (["--dtypes", "fp32,float64"], "--dtypes: unknown dtype 'float64'; choose from fp32, bf16, "
+                                   "fp16 or torch's names (float32, bfloat16, float16"),
     (["--shapes", "1x2x3"], "--shapes: '1x2x3' is not BxH[/Hkv]xLxD"),
     (["--shapes", "1x3/2x8x8"], "H a multiple of Hkv"),
     (["--shapes", "0x2x8x8"], "sizes must be >= 1"),
@@ -129,6 +192,7 @@ def test_bench_paths_runs_every_path(tmp_path):
                           "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     rows = json.loads(out.read_text())["rows"]
+    assert_progress_per_case(res, len(rows))
     sys.path.insert(0, BENCH)
     import bench_paths
     assert [r["path"] for r in rows] == list(bench_paths.PATHS)
@@ -153,7 +217,9 @@ def tiny_rows(tmp_path, name, *args):
     res = subprocess.run([sys.executable, os.path.join(BENCH, f"bench_{name}.py"), "--tiny",
                           *args, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
-    return out, json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text())["rows"]
+    assert_progress_per_case(res, len(rows))
+    return out, rows
 
 
 def test_bench_variants_tiny_run(tmp_path):

@@ -360,6 +360,61 @@ def test_autoload_when_flashsdpa_is_imported_before_torch():
     assert res.stdout.strip() == "True"
 
 
+def autoload_run(cap):
+    """`import torch` with FLASHSDPA_AUTOLOAD=1 and FLASHSDPA_CPU_ISA=cap in a fresh process,
+    then an explicit `import flashsdpa`: (the process, and what it printed: whether flashsdpa
+    was imported and enabled by torch's import, whether the C++ routing switch is on, and the
+    explicit import's error or the fp32 tier)."""
+    code = ("import sys, torch\n"
+            "m, c = sys.modules.get('flashsdpa'), sys.modules.get('flashsdpa._C')\n"
+            "print(m is not None, m is not None and m.is_enabled(),\n"
+            "      c is not None and c.routing_enabled())\n"
+            "try:\n"
+            "    import flashsdpa\n"
+            "    print(flashsdpa.cpu_isa())\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__)\n")
+    env = dict(os.environ, FLASHSDPA_AUTOLOAD="1", FLASHSDPA_CPU_ISA=cap)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    return res, res.stdout.split()
+
+
+def unrunnable_tiers():
+    return [t["name"] for t in flashsdpa._C.tiers() if not t["cpu_ok"]]
+
+
+@pytest.mark.parametrize("bad", ["bogus", "unrunnable"])
+def test_autoload_with_a_bad_cpu_isa_warns_and_leaves_flashsdpa_off(bad):
+    """A bad FLASHSDPA_CPU_ISA under FLASHSDPA_AUTOLOAD=1 does not break `import torch`: a
+    warning names the variable and the values it takes, flashsdpa stays off (not imported, the
+    routing switch off), and an explicit `import flashsdpa` raises the error as without
+    autoload."""
+    if bad == "unrunnable":
+        if not unrunnable_tiers():
+            pytest.skip("this CPU runs every tier, so no tier is unsupported here")
+        cap = unrunnable_tiers()[0]
+        message = f"RuntimeError: FLASHSDPA_CPU_ISA={cap}: this CPU/OS cannot run"
+        values = "this CPU runs " + ", ".join(
+            t["name"] for t in flashsdpa._C.tiers() if t["built"] and t["cpu_ok"])
+        error = "RuntimeError"
+    else:
+        cap, error = bad, "ValueError"
+        message = "ValueError: FLASHSDPA_CPU_ISA='bogus' is not a tier"
+        values = "use one of " + ", ".join(t["name"] for t in flashsdpa._C.tiers())
+    res, printed = autoload_run(cap)
+    assert "RuntimeWarning: FLASHSDPA_AUTOLOAD=1: flashsdpa is left off: " + message \
+        in res.stderr and values in res.stderr, res.stderr
+    assert printed == ["False", "False", "False", error], res.stdout
+
+
+def test_autoload_with_a_valid_cpu_isa_enables_flashsdpa_at_that_tier():
+    res, printed = autoload_run("portable")
+    assert printed == ["True", "True", "True", "portable"], res.stdout
+    assert "Warning" not in res.stderr, res.stderr
+
+
 def test_compile_after_disable_is_pytorch_again():
     """The routing state is part of the compile cache key: a graph traced while enabled (holding
     flashsdpa's op) is never reused once disabled, even from Inductor's on-disk caches."""

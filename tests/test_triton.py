@@ -268,11 +268,19 @@ def _xpu_kernels(op):
     return [line for line in dump.splitlines() if line.startswith("XPU:")]
 
 
-def test_dispatch_table_has_xpu_kernels_only_while_enabled():
+def test_dispatch_table_has_xpu_kernels_only_while_enabled(monkeypatch):
+    """With an xpu device (stood in for here) enable() registers the kernels on the XPU key
+    and disable() removes them; without one it registers nothing (a Library made and destroyed
+    per cycle keeps memory: test_stress.test_toggle_cycles_keep_no_memory)."""
     ops = list(gpu.KERNELS)
     assert flashsdpa.is_enabled() is False
     before = {op: _xpu_kernels(op) for op in ops}
     assert not any("flashsdpa" in line for lines in before.values() for line in lines)
+    if not gpu._xpu_present():
+        with flashsdpa.enabled():
+            assert gpu.is_registered() is False
+            assert {op: _xpu_kernels(op) for op in ops} == before
+    monkeypatch.setattr(gpu, "_xpu_present", lambda: True)
     flashsdpa.enable()
     try:
         for op in ops:

@@ -236,3 +236,27 @@ def test_backward_without_softmax_stats_is_what_they_fix():
     with pytest.raises(RuntimeError, match="softmax_stats"):
         torch.ops.flashsdpa.flash_attn_bwd(go, q, k, v, out, lse, rng, mask,
                                            softmax_stats=stats[..., :1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [16, 70])  # the split-KV decode path (short queries) and prefill
+def test_a_query_of_nan_gives_nan(dtype, lq):
+    """A query row holding NaN gives NaN (issue 22 item 2), also when a mask hides every key of
+    the row, where PyTorch's fused kernel gives NaN too; the other rows are untouched. A query
+    of NaN gives NaN everywhere, what PyTorch's test_cpu_flash_attn_nan_propagation checks."""
+    q, k, v = qkv(L=lq, S=24, dtype=dtype, seed=4)
+    q[0, 1, 2] = float("nan")
+    mask = torch.ones(lq, 24, dtype=torch.bool)
+    mask[2] = False
+    for kw in ({}, {"attn_mask": mask}):
+        want = F.scaled_dot_product_attention(q, k, v, **kw)
+        for out in (routed(q, k, v, **kw), flashsdpa.scaled_dot_product_attention(q, k, v, **kw)):
+            assert out[0, 1, 2].isnan().all()
+            rest = torch.ones(lq, dtype=torch.bool)
+            rest[2] = False
+            assert not out[0, 0].isnan().any() and not out[0, 1, rest].isnan().any()
+            torch.testing.assert_close(out[0, 1, rest], want[0, 1, rest], atol=ATOL[dtype] * 8,
+                                       rtol=0.0)
+    q.fill_(float("nan"))
+    for out in (routed(q, k, v), flashsdpa.scaled_dot_product_attention(q, k, v)):
+        assert out.isnan().all()

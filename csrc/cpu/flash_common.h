@@ -212,12 +212,24 @@ inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m,
   return true;
 }
 
+template <class T>
+inline bool q_row_has_nan(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  const T* q = q_row<T>(p, b, h, i);
+  for (int64_t d = 0; d < p.D; ++d)
+    if (__builtin_isnan(to_f32(q[d]))) return true;
+  return false;
+}
+
 // out = acc / l, lse = ln(2) * (m + log2(l)), and when kept the stats: m + log2(l) as hi + lo
 // (TwoSum: exact); rows with nothing to attend to (l == 0, or Lk == 0) give out = 0,
-// lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf) and stats (-inf, 0).
+// lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf) and stats (-inf, 0). A row left
+// empty because its query holds NaN (its scores are NaN, which the row max passes over) is NaN,
+// as PyTorch gives it, not 0: a NaN hidden as 0 hides a diverging run. (Checked only for empty
+// rows: any other row with a NaN score has l = NaN already.)
 template <class Ops, class T>
 inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, float m, float l,
                        const float* acc_row) {
+  if (l == 0.0f && p.Lk > 0 && q_row_has_nan<T>(p, b, h, i)) l = m = kNaN;
   const bool empty = l == 0.0f;
   const float lg = __builtin_log2f(l);
   *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + lg) * kLn2;

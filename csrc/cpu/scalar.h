@@ -20,6 +20,7 @@ namespace FLASHSDPA_TIER_NS {
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e)
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2)
 constexpr float kNegInf = -__builtin_inff();
+constexpr float kNaN = __builtin_nanf("");
 
 inline uint32_t f32_bits(float f) {
   uint32_t u;

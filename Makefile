@@ -3,13 +3,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEPS   := torch==2.13.0 triton==3.7.1 numpy pybind11 ninja pytest transformers==5.24.0 matplotlib
+# torch: the version pyproject.toml pins for isolated builds (one pin for both)
+TORCH_PIN := $(shell sed -n 's/.*"\(torch==[^"]*\)".*/\1/p' pyproject.toml)
+DEPS   := $(TORCH_PIN) triton==3.7.1 numpy pybind11 ninja pytest transformers==5.24.0 matplotlib
 STAMP  := $(VENV)/.deps-installed
 BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test bench build deps simde peak bench-all readme-table hw-check clean fuzz stress sanitize
+.PHONY: all test test-all bench build deps simde peak bench-all readme-table hw-check clean fuzz stress sanitize
 
 all: test
 
@@ -42,11 +44,17 @@ $(EDITABLE): $(STAMP) setup.py
 	FLASHSDPA_NO_EXT=1 $(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@touch $@
 
+# A test build: with the emulated tiers (FLASHSDPA_EMULATED=1; never in a pip-installed build),
+# tiers compiled in parallel, a progress line per tier.
 build: $(EDITABLE) simde
-	$(PY) setup.py --quiet build_ext --inplace
+	FLASHSDPA_EMULATED=1 $(PY) setup.py --quiet build_ext --inplace
 
 test: build
 	$(PY) -m pytest -q tests
+
+# Everything: the suite, the long fuzzer run, the sanitizer build with its subset, the 5-minute
+# thread stress run.
+test-all: test fuzz sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
 FUZZ_CASES ?= 10000
@@ -64,7 +72,7 @@ sanitize: $(EDITABLE)
 	mkdir -p $(SAN_DIR)
 	cp -a setup.py csrc flashsdpa kernels tests $(SAN_DIR)/
 	rm -f $(SAN_DIR)/flashsdpa/_C*.so
-	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 FLASHSDPA_NO_EMULATED=1 \
+	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 \
 	  ../$(PY) setup.py --quiet build_ext --inplace
 	cd $(SAN_DIR) && PYTHONPATH=$$PWD LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \

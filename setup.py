@@ -7,14 +7,31 @@ csrc/ is split by how code is compiled:
     (csrc/cpu/tiers.def) with that row's flags only. Never -march=native: the binary must run on
     any CPU of its architecture, and the best tier is picked at run time from CPUID.
 
-Build with torch already installed: pip install --no-build-isolation [-e] .
+`pip install .` / `pip wheel .` build against the torch pyproject.toml pins (build isolation);
+with torch already installed, `pip install --no-build-isolation [-e] .` builds against that one.
+The wheel requires the torch version it was built against (a C++ extension's ABI is that of one
+torch release).
+
+Environment: FLASHSDPA_EMULATED=1 adds the test-only emulated tiers (`make build` sets it; never
+in a release build), FLASHSDPA_DEBUG=1 keeps debug info (release builds are built without it and
+stripped), MAX_JOBS caps the parallel compile jobs (default: the CPU count).
 """
+import concurrent.futures
 import os
 import platform
+import shutil
 import sys
+import time
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    sys.exit("flashsdpa: building needs PyTorch. `pip install .` installs the version "
+             "pyproject.toml pins in an isolated build environment; with --no-build-isolation, "
+             "install torch first (pip install torch==2.13.0).")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "csrc", "cpu"))
@@ -32,10 +49,10 @@ def _simde_include():
 
 SIMDE = _simde_include()
 # Test-only emulated tiers: the tiers tiers.def marks `emulated`, compiled against SIMDe with AVX2
-# flags, so that their code runs (slowly) on CPUs without their instructions. Only when SIMDe is
-# installed (`make test` installs it); a normal build never needs it. FLASHSDPA_NO_EMULATED=1
-# skips them.
-EMULATE = IS_X86 and SIMDE is not None and os.environ.get("FLASHSDPA_NO_EMULATED") != "1"
+# flags, so that their code runs (slowly) on CPUs without their instructions. Only in test builds
+# (FLASHSDPA_EMULATED=1, which `make build` sets) and when SIMDe is installed (`make test`
+# installs it): what `pip install` / `pip wheel` produce never holds them.
+EMULATE = IS_X86 and SIMDE is not None and os.environ.get("FLASHSDPA_EMULATED") == "1"
 EMU_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DFLASHSDPA_EMULATE"] + (
     ["-isystem", SIMDE] if SIMDE and SIMDE not in ("/usr/include", "/usr/local/include") else [])
 
@@ -59,10 +76,15 @@ def tier_builds():
 
 TIERS = tier_builds()
 
-COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
 # FLASHSDPA_SANITIZE=1 (`make sanitize`): AddressSanitizer + UndefinedBehaviorSanitizer; the
 # process must preload libasan (the Makefile does).
 SANITIZE = os.environ.get("FLASHSDPA_SANITIZE") == "1"
+# Debug info (-g from Python's own flags) is most of the library's size: release builds drop it
+# (-g0 after those flags) and strip the result; FLASHSDPA_DEBUG=1 or a sanitizer build keeps it.
+DEBUG = os.environ.get("FLASHSDPA_DEBUG") == "1" or SANITIZE
+COMMON_FLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"] + (
+    [] if DEBUG else ["-g0"])
+STRIP_FLAGS = [] if DEBUG else ["-s"]
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
                   "-fno-sanitize-recover=undefined"] if SANITIZE else []
 # at::parallel_for is an inline template: it only runs in parallel in a translation unit compiled
@@ -70,15 +92,29 @@ SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer",
 OPENMP_FLAGS = ["-fopenmp"]
 
 
+def _jobs():
+    jobs = os.environ.get("MAX_JOBS")
+    return max(1, int(jobs)) if jobs and jobs.isdigit() else (os.cpu_count() or 1)
+
+
 class TierBuildExtension(BuildExtension):
-    """Compiles each tier source with its own flags (through the same ninja machinery), then
-    links the objects into the extension with the generic sources."""
+    """Compiles each tier source with its own flags (through the same ninja machinery: each tier
+    its own build directory, so unchanged tiers are not recompiled), the tiers in parallel, then
+    links the objects into the extension with the generic sources (ninja, in parallel). One
+    progress line per tier on stderr."""
 
     def build_extension(self, ext):
-        tier_objects = []
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx.split()[0]) is None:
+            sys.exit(f"flashsdpa: no C++ compiler ({cxx!r} not found): install g++ (or set CXX) "
+                     "to build the extension")
         base = list(ext.extra_compile_args["cxx"])
-        for name, flags in ext._flashsdpa_tiers.items():
-            tier_objects += self.compiler.compile(
+        tiers = list(ext._flashsdpa_tiers.items())
+        start = time.time()
+
+        def compile_tier(item):
+            name, flags = item
+            return name, self.compiler.compile(
                 [TIER_SOURCE],
                 output_dir=os.path.join(self.build_temp, "tier_" + name),
                 macros=ext.define_macros,
@@ -86,8 +122,21 @@ class TierBuildExtension(BuildExtension):
                 extra_postargs=base + flags,
                 depends=ext.depends,
             )
-        ext.extra_objects = list(ext.extra_objects or []) + tier_objects
+
+        objects = {}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
+            done = concurrent.futures.as_completed([pool.submit(compile_tier, t) for t in tiers])
+            for n, future in enumerate(done, 1):
+                name, objects[name] = future.result()
+                print(f"flashsdpa: [{n}/{len(tiers)}] tier {name} compiled "
+                      f"({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+        # linked in the table's order, whatever order they finished in
+        ext.extra_objects = list(ext.extra_objects or []) + [
+            o for name, _ in tiers for o in objects[name]]
+        print("flashsdpa: compiling the generic sources and linking", file=sys.stderr, flush=True)
         super().build_extension(ext)
+        print(f"flashsdpa: extension built ({time.time() - start:.0f} s)", file=sys.stderr,
+              flush=True)
 
 
 def make_extension():
@@ -97,7 +146,7 @@ def make_extension():
         name="flashsdpa._C",
         sources=GENERIC_SOURCES,
         extra_compile_args={"cxx": COMMON_FLAGS + OPENMP_FLAGS + SANITIZE_FLAGS},
-        extra_link_args=OPENMP_FLAGS + SANITIZE_FLAGS,
+        extra_link_args=OPENMP_FLAGS + SANITIZE_FLAGS + STRIP_FLAGS,
         depends=depends,
     )
     ext._flashsdpa_tiers = TIERS
@@ -120,6 +169,8 @@ setup(
     # FLASHSDPA_AUTOLOAD=1: `import torch` enables flashsdpa (PyTorch's backend autoload hook)
     entry_points={"torch.backends": ["flashsdpa = flashsdpa_autoload:autoload"]},
     python_requires=">=3.9",
-    install_requires=["torch"],
+    # the torch this extension was compiled against (its C++ ABI): pyproject.toml's pin under
+    # build isolation, else the installed one
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
     zip_safe=False,
 )

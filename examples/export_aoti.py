@@ -42,11 +42,8 @@ print(f"after import flashsdpa: loaded, output {tuple(out.shape)}")
 """
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--package", help="where to write the package (default: a temporary file)")
-    args = ap.parse_args()
-
+def export_and_check(path):
+    """Exports, compiles and packages the model to `path`, then loads and checks the package."""
     flashsdpa.enable()
     torch.manual_seed(0)
     cfg = Config()
@@ -58,7 +55,6 @@ def main():
         batch = torch.export.Dim("batch", min=1, max=64)
         exported = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
     t1 = time.perf_counter()
-    path = args.package or os.path.join(tempfile.mkdtemp(), "tiny_transformer.pt2")
     torch._inductor.aoti_compile_and_package(exported, package_path=path)
     t2 = time.perf_counter()
     print(f"exported in {t1 - t0:.1f} s, compiled and packaged in {t2 - t1:.1f} s: {path}")
@@ -83,6 +79,14 @@ def main():
         print(f"loading it in a fresh process, {line}")
     print("note: the package holds flashsdpa ops; `import flashsdpa` (the same version) before "
           "aoti_load_package wherever it is loaded")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--package", help="where to write the package (default: a temporary file)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        export_and_check(args.package or os.path.join(tmp, "tiny_transformer.pt2"))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ where torch_same_dtype is PyTorch's own SDPA on the same inputs in the same dtyp
 """
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,6 +39,15 @@ ERR_FACTOR = 2.0
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
              torch.float64: "fp64"}
+
+def run_python(*lines, timeout=300):
+    """The lines run in a fresh interpreter (what must not leak into the test process: import
+    state, registrations, memory); its stdout, after checking it exited 0."""
+    done = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
 
 # ---- tiers -----------------------------------------------------------------------------------------
 RUNNABLE_TIERS = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"]]

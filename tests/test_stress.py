@@ -18,15 +18,12 @@ def test_toggle_stress_short_run():
 def test_toggle_cycles_keep_no_memory():
     """enable()/disable() cycles keep nothing (issue 22 item 10: the XPU-key registrations made
     and destroyed per cycle kept ~100 bytes each; they are now made only with an xpu device)."""
-    code = "\n".join([
+    from conftest import run_python
+    grown = run_python(
         "import torch, flashsdpa",
         "def rss(): return int(open('/proc/self/statm').read().split()[1]) * 4096",
         "for _ in range(2000): flashsdpa.enable(); flashsdpa.disable()",
         "before = rss()",
         "for _ in range(20000): flashsdpa.enable(); flashsdpa.disable()",
-        "print(rss() - before)",
-    ])
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert int(done.stdout.strip()) < 256 * 1024, done.stdout  # was ~2 MB per 20,000 cycles
+        "print(rss() - before)")
+    assert int(grown.strip()) < 256 * 1024, grown  # was ~2 MB per 20,000 cycles

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
-                      reference_sdpa)
+                      reference_sdpa, run_python)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -528,7 +528,7 @@ def test_direct_api_under_compile(backend):
 def test_everything_cpu_works_without_triton():
     """With Triton unimportable: import, enable()/disable(), CPU calls and explain() work; the XPU
     kernels are simply not registered, and the GPU path reports why it declines."""
-    code = "\n".join([
+    out = run_python(
         "import sys; sys.modules['triton'] = None",
         "import torch, flashsdpa",
         "from flashsdpa import _gpu, _common",
@@ -538,9 +538,5 @@ def test_everything_cpu_works_without_triton():
         "reasons = _common.decide(q, q, q, None, 0.0, False, None, False, 'direct')['reasons']",
         "print(_gpu.is_registered(), 'Triton is not installed' in reasons['triton'])",
         "flashsdpa.explain(q, q, q)",
-        "flashsdpa.disable()",
-    ])
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "False True", res.stdout
+        "flashsdpa.disable()")
+    assert out.strip() == "False True", out

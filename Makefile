@@ -102,7 +102,8 @@ bench-all: build
 	$(PY) bench/bench_sdpa.py --mode variants --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode serving --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16 --out-dir bench/results
-	$(PY) bench/report.py --readme README.md bench/results/fwd.json bench/results/train.json \
+	$(PY) bench/report.py --readme README.md --plots bench/results \
+	  bench/results/fwd.json bench/results/train.json \
 	  bench/results/decode.json bench/results/paths.json bench/results/variants.json \
 	  bench/results/serving.json bench/results/hf.json \
 	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)
@@ -119,7 +120,7 @@ hw-check:
 	bench/hw_check.sh
 
 readme-table:
-	$(PY) bench/report.py --readme README.md bench/results/*.json
+	$(PY) bench/report.py --readme README.md --plots bench/results bench/results/*.json
 
 clean:
 	rm -rf build *.egg-info flashsdpa/_C*.so bench/.build

@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_sdpa import (DTYPE_ALIASES, Progress, add_run_args, apply_run_args,  # noqa: E402
                         geomean, host_meta, save_json, time_case)
+from plotting import pyplot  # noqa: E402
 
 import flashsdpa.hf  # noqa: E402
 
@@ -231,12 +232,8 @@ def markdown(meta, rows):
 def plot(rows, path):
     """Speedup of fused_attention over each other provider: one panel per case, a group of bars
     per model and dtype (PNG). The training step's peers run the padded batch."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     cases = [c for c in CASES if any(r["case"] == c for r in rows)]
     fig, axes = plt.subplots(1, len(cases), figsize=(4.8 * len(cases), 3.6), squeeze=False)

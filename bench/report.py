@@ -1,6 +1,8 @@
 """Render bench_sdpa.py results (JSON) as markdown, and optionally write them into README.md
 between the markers `<!-- bench:begin -->` and `<!-- bench:end -->` (the README's performance
-table is always this script's output, never typed by hand).
+table is always this script's output, never typed by hand). Also draws each file's figures
+(bench/plotting.py: speedup over PyTorch, % of the measured peak) as PNGs into --plots, by
+default the first file's directory, and links them under their tables.
 
     python bench/report.py bench/results/fwd.json [more.json ...] [--readme README.md]
 """
@@ -15,6 +17,7 @@ from bench_paths import markdown as paths_markdown  # noqa: E402
 from bench_sdpa import markdown  # noqa: E402
 from bench_serving import markdown as serving_markdown  # noqa: E402
 from bench_variants import markdown as variants_markdown  # noqa: E402
+from plotting import plot_results  # noqa: E402
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 TITLES = {"fwd": "Forward", "train": "Forward + backward", "decode": "Decode (q_len = 1)",
@@ -26,16 +29,21 @@ RENDER = {"paths": paths_markdown, "variants": variants_markdown, "serving": ser
           "hf": hf_markdown}
 
 
-def render(paths):
+def render(paths, plots=None, base="."):
+    """Markdown for each results file: heading, table, then its figures (when `plots`, a
+    directory, is given), linked relative to `base`, the directory of the README they go in."""
     parts = []
     for path in paths:
         with open(path) as f:
             res = json.load(f)
         meta = res["meta"]
-        parts.append(f"#### {TITLES.get(meta['mode'], meta['mode'])} "
-                     f"(`{os.path.relpath(path)}`, {meta['date']})\n")
+        title = TITLES.get(meta["mode"], meta["mode"])
+        parts.append(f"#### {title} (`{os.path.relpath(path)}`, {meta['date']})\n")
         parts.append(RENDER.get(meta["mode"], markdown)(meta, res["rows"]))
         parts.append("")
+        for png in plot_results(path, meta, res["rows"], plots) if plots else []:
+            figure = os.path.splitext(os.path.basename(png))[0].rsplit("_", 1)[1]
+            parts.append(f"![{title}: {figure}]({os.path.relpath(png, base)})\n")
     return "\n".join(parts)
 
 
@@ -54,8 +62,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+")
     ap.add_argument("--readme", help="write the tables into this README")
+    ap.add_argument("--plots", metavar="DIR",
+                    help="write the PNG figures here (default: the first file's directory; "
+                         "'' for none)")
     args = ap.parse_args(argv)
-    text = render(args.results)
+    plots = (os.path.dirname(args.results[0]) or ".") if args.plots is None else args.plots
+    base = os.path.dirname(os.path.abspath(args.readme)) if args.readme else "."
+    text = render(args.results, plots, base)
     if args.readme:
         update_readme(args.readme, text)
         print(f"updated {args.readme}")

@@ -277,3 +277,32 @@ def test_bench_hf_tiny_run(tmp_path):
         assert set(r["speedup"]) == peers, r
     assert (tmp_path / "hf.png").stat().st_size > 0
     assert "| gemma2 (" in rendered_readme(tmp_path, out)
+
+
+def test_report_plots_speedup_and_peak(tmp_path):
+    """report.py --plots draws a speedup and a %-of-peak PNG from bench_sdpa rows and a speedup
+    PNG from a `speedup` dict (serving / variants), links each under its table, and by default
+    writes them next to the first results file."""
+    pytest.importorskip("matplotlib")
+    row = {"mode": "fwd", "B": 1, "Hq": 4, "Hkv": 4, "Lq": 64, "S": 64, "D": 32,
+           "dtype": "float32", "causal": False, "ms": 1.0, "ms_p20": 0.9, "ms_p80": 1.1,
+           "GFLOP/s": 10.0, "TFLOP/s": 0.01}
+    rows = [dict(row, provider="flashsdpa", speedup_vs_torch_flash=1.5, frac_peak=0.8),
+            dict(row, provider="torch_flash", speedup_vs_torch_flash=1.0, frac_peak=0.5)]
+    meta = {"mode": "fwd", "date": "today", "cpu": "Test CPU", "threads": 2, "torch": "x",
+            "flashsdpa": "x", "tiers": {}, "peak": None}
+    fwd = tmp_path / "fwd.json"
+    fwd.write_text(json.dumps({"meta": meta, "rows": rows}))
+    with open(os.path.join(BENCH, "results", "variants.json")) as f:
+        variants = json.load(f)  # its table needs every field of a real row
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps({"meta": variants["meta"], "rows": variants["rows"][:2]}))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- bench:begin -->\n<!-- bench:end -->\n")
+    import report
+    report.main([str(fwd), str(serving), "--readme", str(readme)])
+    text = readme.read_text()
+    for name in ("fwd_speedup", "fwd_peak", "serving_speedup"):
+        png = tmp_path / f"{name}.png"
+        assert png.stat().st_size > 1000, name
+        assert f"]({name}.png)" in text

@@ -77,8 +77,8 @@ def test_bench_output_is_untracked_unless_bench_all():
     runs = [ln for ln in dry.stdout.splitlines() if "bench/bench_" in ln]
     default = [ln for ln in runs if "bench/results" not in ln]
     assert len(runs) == 8 and len(default) == 1 and "--out" not in default[0], runs  # make bench
-    assert any("report.py --readme README.md bench/results/fwd.json" in ln
-               for ln in dry.stdout.splitlines())
+    assert "report.py --readme README.md --plots bench/results" in dry.stdout  # + figures
+    assert "bench/results/fwd.json" in dry.stdout.split("report.py", 1)[1]
 
 
 def test_visible_pairs_matches_a_mask_count():

@@ -52,8 +52,10 @@ build: $(EDITABLE) simde
 test: build
 	$(PY) -m pytest -q tests
 
-# Everything: the suite, the long fuzzer run, the sanitizer build with its subset, the 5-minute
-# thread stress run.
+# Everything: the suite with every case on the emulated tiers too (`make test` runs a
+# representative subset there; tests/conftest.py), the long fuzzer run, the sanitizer build with
+# its subset, the 5-minute thread stress run.
+test-all: export FLASHSDPA_EMULATED_TESTS = all
 test-all: test fuzz sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
@@ -70,7 +72,7 @@ SANITIZE_TESTS ?= tests/test_as_pytorch.py tests/test_api.py tests/test_masks.py
 SAN_DIR := build-sanitize
 sanitize: $(EDITABLE)
 	mkdir -p $(SAN_DIR)
-	cp -a setup.py csrc flashsdpa kernels tests $(SAN_DIR)/
+	cp -a setup.py pyproject.toml README.md flashsdpa_autoload.py csrc flashsdpa kernels tests $(SAN_DIR)/
 	rm -f $(SAN_DIR)/flashsdpa/_C*.so
 	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 \
 	  ../$(PY) setup.py --quiet build_ext --inplace

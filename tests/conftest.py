@@ -78,6 +78,44 @@ def tier(request):
             yield name
 
 
+# `make test` runs every test on each native tier but only a representative subset on the
+# emulated tiers (SIMDe executes them 5-20x slower, and the native tiers already run the same
+# test bodies): per test function and emulated tier, the cases that together take every value of
+# every other parameter at least once. FLASHSDPA_EMULATED_TESTS=all (`make test-all`) runs them all.
+EMULATED_TESTS = os.environ.get("FLASHSDPA_EMULATED_TESTS", "subset")
+if EMULATED_TESTS not in ("subset", "all"):
+    raise pytest.UsageError(
+        f"FLASHSDPA_EMULATED_TESTS={EMULATED_TESTS!r}: expected 'subset' or 'all'")
+
+
+def emulated_subset(items):
+    """The items to keep: all that do not run on an emulated tier, and for each (test function,
+    emulated tier) the first cases, in collection order, that take a (parameter, value) pair no
+    earlier kept case took (so each value of each parameter runs on each emulated tier)."""
+    covered, keep = {}, []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not str(params.get("tier", "")).startswith("emu-"):
+            keep.append(item)
+            continue
+        seen = covered.setdefault((item.module.__name__, item.originalname, params["tier"]), set())
+        pairs = {(k, repr(v)) for k, v in params.items() if k != "tier"}
+        if not pairs <= seen or not seen:
+            seen |= pairs or {None}
+            keep.append(item)
+    return keep
+
+
+def pytest_collection_modifyitems(config, items):
+    if EMULATED_TESTS == "all":
+        return
+    keep = emulated_subset(items)
+    if len(keep) < len(items):
+        kept = set(map(id, keep))
+        config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])
+        items[:] = keep
+
+
 @pytest.fixture(autouse=True)
 def poison_outputs():
     """Every output/scratch buffer starts as NaN, so an element a kernel does not write fails."""

@@ -45,3 +45,25 @@ def test_portable_sources_compile_for_aarch64(tmp_path, source):
                           os.path.join(ROOT, source), "-o", str(tmp_path / "out.o"), *includes],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_emulated_subset_covers_every_value_on_every_emulated_tier():
+    from types import SimpleNamespace as NS
+    from conftest import emulated_subset
+
+    def item(name, **params):
+        return NS(module=NS(__name__="m"), originalname=name, callspec=NS(params=params))
+
+    grid = [item("f", tier=t, dtype=d, L=L)
+            for t in ("avx2", "emu-amx", "emu-avx512")
+            for d in ("fp32", "bf16") for L in (1, 17, 97)]
+    grid += [item("g", tier="emu-amx"), item("g", tier="emu-amx"), item("h")]
+    keep = emulated_subset(grid)
+    assert [i for i in grid if i.callspec.params.get("tier") == "avx2"] == \
+        [i for i in keep if i.callspec.params.get("tier") == "avx2"]  # native: every case
+    for t in ("emu-amx", "emu-avx512"):
+        kept = [i.callspec.params for i in keep
+                if i.originalname == "f" and i.callspec.params["tier"] == t]
+        assert {p["dtype"] for p in kept} == {"fp32", "bf16"} and {p["L"] for p in kept} == {1, 17, 97}
+        assert len(kept) == 4  # first-fit: fp32 x (1, 17, 97), then (bf16, 1)
+    assert sum(i.originalname == "g" for i in keep) == 1 and grid[-1] in keep

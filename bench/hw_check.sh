@@ -3,7 +3,9 @@
 # without the emulated test tiers, prints what the CPU offers, runs the correctness suite on
 # every tier the CPU runs natively, then benchmarks each of those tiers against PyTorch's own
 # kernel in one process (forward, forward+backward, decode) and prints compact tables.
-# About 6-8 minutes on a few cores. Results: bench/results/hw_*.json / .csv.
+# Then prints where each tier's forward time goes (bench/phase_profile.py: packing, the two GEMMs
+# against the peak, the softmax, scheduling), the first diagnosis on a new tier (AMX).
+# About 7-9 minutes on a few cores. Results: bench/results/hw_*.json / .csv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export FLASHSDPA_NO_EMULATED=1   # the emulated tiers are for CPUs that lack the instructions
@@ -25,3 +27,6 @@ $PY bench/bench_sdpa.py --mode train --providers "${TIERS},torch_flash" --dtypes
   --causal yes --shapes 1x16x1024x64 --repeats 3 --tag hw_train --out-dir bench/results
 $PY bench/bench_sdpa.py --mode decode --providers "${TIERS},torch_flash" --dtypes fp32,bf16 \
   --shapes 1x32x4096x128,1x32/8x8192x128 --repeats 5 --tag hw_decode --out-dir bench/results
+
+echo; echo "== where the forward's time goes, per tier (bench/phase_profile.py: step shares, GEMM % of peak)"
+$PY bench/phase_profile.py --calls 3 --json bench/results/hw_phases.json

@@ -255,9 +255,9 @@ void poison(const at::Tensor& t) {
 }
 
 void set_path_counting(bool on) {
-  for (auto* c : {&g_counters.fused_exp_blocks, &g_counters.fwd_tiles, &g_counters.bwd_tiles,
-                  &g_counters.decode_blocks, &g_counters.decode_gathered_blocks})
-    c->store(0);
+#define FLASHSDPA_RESET(f) g_counters.f.store(0);
+  FLASHSDPA_PATH_COUNTERS(FLASHSDPA_RESET)
+#undef FLASHSDPA_RESET
   g_counting.store(on);
 }
 PathCounters* path_counters() { return g_counting.load() ? &g_counters : nullptr; }

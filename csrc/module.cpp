@@ -320,11 +320,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   t.def("path_counts", [] {
     py::dict d;
     const auto* c = flashsdpa::path_counters();
-    d["fused_exp_blocks"] = c ? c->fused_exp_blocks.load() : 0;
-    d["fwd_tiles"] = c ? c->fwd_tiles.load() : 0;
-    d["bwd_tiles"] = c ? c->bwd_tiles.load() : 0;
-    d["decode_blocks"] = c ? c->decode_blocks.load() : 0;
-    d["decode_gathered_blocks"] = c ? c->decode_gathered_blocks.load() : 0;
+#define FLASHSDPA_PUT(f) d[#f] = c ? c->f.load() : 0;
+    FLASHSDPA_PATH_COUNTERS(FLASHSDPA_PUT)
+#undef FLASHSDPA_PUT
     return d;
   });
   t.def(

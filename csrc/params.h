@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <chrono>
 
 namespace flashsdpa {
 
@@ -138,12 +139,24 @@ struct AttnParams {
   struct PathCounters* counters;
 };
 
+// The test-only counters (PathCounters; flashsdpa._testing.counting): the fast paths taken,
+// block by block, and the nanoseconds the prefill forward's items and K / V packing spend in
+// each step, summed over threads (where a tier's time goes: bench/phase_profile.py).
+#define FLASHSDPA_PATH_COUNTERS(X)                                                            \
+  X(fused_exp_blocks)       /* forward kv blocks whose exponentials were fused */            \
+  X(fwd_tiles)              /* forward (q block, kv block) score tiles computed */           \
+  X(bwd_tiles)              /* backward (q block, kv block) score tiles computed */          \
+  X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \
+  X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
+  X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
+  X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
+  X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
+  X(fwd_pv_ns)              /* acc += P V */
+
 struct PathCounters {
-  std::atomic<int64_t> fused_exp_blocks{0};  // forward kv blocks whose exponentials were fused
-  std::atomic<int64_t> fwd_tiles{0};      // forward (q block, kv block) score tiles computed
-  std::atomic<int64_t> bwd_tiles{0};      // backward (q block, kv block) score tiles computed
-  std::atomic<int64_t> decode_blocks{0};  // decode (split, kv block) score blocks computed
-  std::atomic<int64_t> decode_gathered_blocks{0};  // of those, from a paged cache copied first
+#define FLASHSDPA_COUNTER(f) std::atomic<int64_t> f{0};
+  FLASHSDPA_PATH_COUNTERS(FLASHSDPA_COUNTER)
+#undef FLASHSDPA_COUNTER
 };
 
 // Split-KV decode folds the query rows of every query head sharing a kv head into one block:
@@ -165,6 +178,28 @@ int64_t decode_block_bytes();
 inline void count_path(const AttnParams& p, std::atomic<int64_t> PathCounters::*c, int64_t n) {
   if (p.counters && n) (p.counters->*c).fetch_add(n);
 }
+
+// When counting is on, the nanoseconds since the previous lap (or the start) added to a step's
+// counter at each lap; otherwise nothing is read (one branch a lap).
+class StepClock {
+ public:
+  explicit StepClock(const AttnParams& p) : c_(p.counters), t_(c_ ? now() : 0) {}
+  void lap(std::atomic<int64_t> PathCounters::*step) {
+    if (!c_) return;
+    const int64_t t = now();
+    (c_->*step).fetch_add(t - t_, std::memory_order_relaxed);
+    t_ = t;
+  }
+
+ private:
+  static int64_t now() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  PathCounters* c_;
+  int64_t t_;
+};
 
 // The phases a kernel call is made of. Each phase is a parallel loop over independent work items;
 // driver.cpp runs the loop (at::parallel_for) and the tier runs the items.

@@ -30,8 +30,9 @@ def policy(**fields):
 
 @contextlib.contextmanager
 def counting():
-    """Counts the fast paths the kernels take inside the block (from zero); yields a function
-    that returns the counts so far (a dict)."""
+    """Counts the fast paths the kernels take inside the block (from zero), and times the
+    prefill forward's steps (fwd_*_ns, summed over threads); yields a function that returns
+    the counts so far (a dict)."""
     with swapped(lambda: False, _T.set_path_counting, True):
         yield _T.path_counts
 

@@ -306,3 +306,26 @@ def test_report_plots_speedup_and_peak(tmp_path):
         png = tmp_path / f"{name}.png"
         assert png.stat().st_size > 1000, name
         assert f"]({name}.png)" in text
+
+
+def test_phase_profile_tiny_run(tmp_path):
+    """bench/phase_profile.py: a row per native tier, dtype it implements, shape and causal
+    setting, with step shares that sum to 1 and GEMM rates from the step clocks."""
+    out = tmp_path / "phases.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--shapes",
+                          "1x2x128x32", "--calls", "1", "--no-peak", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    from flashsdpa import _C
+    want = {(t["name"], dt) for t in _C.tiers() if t["built"] and t["cpu_ok"] and
+            t["name"] != "portable" for dt in ("fp32", "bf16")
+            if {"fp32": "float32", "bf16": "bfloat16"}[dt] in t["dtypes"]}
+    assert {(r["tier"], r["dtype"]) for r in rows} == want and len(rows) == 2 * len(want)
+    for r in rows:
+        shares = [r[f"{s}_share"] for s in ("pack", "scores", "softmax", "pv", "other")]
+        assert all(x >= 0 for x in shares) and abs(sum(shares) - 1) < 1e-6, r
+        assert r["scores_gflops"] > 0 and r["pv_gflops"] > 0
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--tiers",
+                          "nonesuch", "--no-peak"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--tiers" in bad.stderr

@@ -85,3 +85,30 @@ def test_whole_q_block(tier):
             flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=True)
             assert _testing.last_policy()["whole_q"]  # the plan's own choice for this shape
     assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("case", ["transposed", "rows-prepack", "causal-bf16", "decode"])
+def test_step_clocks_account_for_the_forward(tier, case):
+    """The step clocks of the prefill forward (counting on: fwd_pack / scores / softmax / pv
+    nanoseconds, summed over threads; bench/phase_profile.py): every step of the path that ran
+    is timed, their sum fits in the call's wall time times the threads, decode (another
+    kernel) adds nothing."""
+    import time
+    dtype = torch.bfloat16 if case == "causal-bf16" else torch.float32
+    lq = 1 if case == "decode" else 300
+    q, k, v = make_qkv(1, 4, 2 if case == "rows-prepack" else 4, lq, 600, 64, dtype=dtype)
+    overrides = {"transposed": 1 if case == "transposed" else 0}
+    steps = ("pack", "scores", "softmax", "pv")
+    with _testing.policy(**overrides), _testing.counting() as counts:
+        t0 = time.perf_counter_ns()
+        torch.ops.flashsdpa.flash_attn_fwd(q, k, v, is_causal=case == "causal-bf16")
+        wall = time.perf_counter_ns() - t0
+        pol, c = _testing.last_policy(), counts()
+    ns = {s: c[f"fwd_{s}_ns"] for s in steps}
+    if case == "decode":
+        assert pol["decode"] and not any(ns.values()), ns
+    else:
+        assert pol["transposed"] == (case == "transposed" and "transposed" in ran_paths())
+        packs = not pol["transposed"]  # (it reads K in place, and V: Dv a multiple of NR)
+        assert all(ns[s] > 0 for s in steps if s != "pack") and (ns["pack"] > 0) == packs, ns
+        assert sum(ns.values()) <= wall * torch.get_num_threads(), (ns, wall)

@@ -90,8 +90,10 @@ struct FlashForward {
     const int64_t b = it.b, hk = it.hk, j0 = it.j0;
     const int nk = it.nk;
     float* kt = p.kv_pack + item * pack_block_floats(p, bl);
+    StepClock clock(p);
     Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
     Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, int(p.Dv), kt + round_up(bl.bk, Ops::NR) * p.D);
+    clock.lap(&PathCounters::fwd_pack_ns);
   }
 
   // A fused block's sum (one per query: a row of S, a column of S^T) can be used: not past
@@ -130,6 +132,7 @@ struct FlashForward {
       const int nqc = int(round_up(nq, 16));
       const int D = int(p.D), Dv = int(p.Dv);
       float *qt = L.qt, *st = L.st, *m = L.m, *l = L.l, *alpha = L.at, *acc = L.acc, *vp = L.v;
+      StepClock clock(p);  // (as run_item's)
       Ops::Row::pack_bt(q_row<T>(p, b, h, i0), p.q_sl, D, nq, qt);
       Ops::Row::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
       float* csum = L.ct;
@@ -142,6 +145,7 @@ struct FlashForward {
       }
       bool m_finite = false;
       count_path(p, &PathCounters::fwd_tiles, ceil_div(p.Lk, bl.bk));
+      clock.lap(&PathCounters::fwd_softmax_ns);
       for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
         const int nk = int(min64(bl.bk, p.Lk - j0));
         const float* kr = k_row<T>(p, b, hk, j0);
@@ -153,6 +157,7 @@ struct FlashForward {
           for (int c = 0; c < nqp; ++c) csum[c] = 0.0f;
           Ops::gemm_exp_cols(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st, L.ldt, m,
                              csum);
+          clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int c = 0; c < nq; ++c) finite &= fused_sum_ok(csum[c], first);
           if (finite) {
@@ -178,6 +183,7 @@ struct FlashForward {
         if (!done) {
           Ops::template gemm<false>(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st,
                                     L.ldt, false);
+          clock.lap(&PathCounters::fwd_scores_ns);
           Ops::softmax_cols(st, L.ldt, nk, nqc, m, l, alpha);
           m_finite = true;
           for (int r = 0; r < nq; ++r) {
@@ -186,17 +192,22 @@ struct FlashForward {
             m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
           }
         }
+        clock.lap(&PathCounters::fwd_softmax_ns);
         if (Dv % Ops::NR == 0) {  // V read in place: no V panels to pack
           Ops::gemm_t_strided_b(nq, Dv, nk, st, L.ldt, v_row<T>(p, b, hk, j0), p.v_sl, acc,
                                 L.ldacc, true);
+          clock.lap(&PathCounters::fwd_pv_ns);
           continue;
         }
         Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+        clock.lap(&PathCounters::fwd_pack_ns);
         Ops::template gemm<true>(nq, Dv, nk, st, L.ldt, vp, int64_t(nk) * Ops::NR, acc,
                                  L.ldacc, true);
+        clock.lap(&PathCounters::fwd_pv_ns);
       }
       for (int r = 0; r < nq; ++r)
         finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+      clock.lap(&PathCounters::fwd_softmax_ns);
       count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
     }
   }
@@ -216,6 +227,7 @@ struct FlashForward {
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
     const bool dropout = p.dropout_p > 0.0f;
 
+    StepClock clock(p);  // (the steps' time, when counting: PathCounters::fwd_*_ns)
     // Q_blk [nq, D] in fp32
     Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
     for (int r = 0; r < nq; ++r) {
@@ -229,6 +241,7 @@ struct FlashForward {
     const Visibility vis = Visibility::of(p);
     const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
     count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
+    clock.lap(&PathCounters::fwd_softmax_ns);
     for (int64_t j0 = kv_begin; j0 < kv_end; j0 += bl.bk) {
       const int nk = int(min64(bl.bk, kv_end - j0));
       // K_blk^T and V_blk panels: pre-packed by Phase::PackKV, or packed here
@@ -245,6 +258,7 @@ struct FlashForward {
       } else {
         Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, kt);
       }
+      clock.lap(&PathCounters::fwd_pack_ns);
       // S = Q_blk K_blk^T   [nq, nk]. On a tile the causal diagonal crosses, each group of MR
       // rows only computes the columns its last row can see (VisTile).
       const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
@@ -268,6 +282,7 @@ struct FlashForward {
           float* sv = L.sv;
           for (int64_t x = 0; x < int64_t(nq) * 16; ++x) sv[x] = 0.0f;
           Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv);
+          clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int r = 0; r < nq; ++r) {
             float sum = 0.0f;
@@ -292,6 +307,7 @@ struct FlashForward {
       if (!any_row) {  // the two-pass online softmax
         Ops::template gemm<false>(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds,
                                   false, ct.limit_n());
+        clock.lap(&PathCounters::fwd_scores_ns);
         const float* mtile = mt.fill(p, b, h, i0, nq, j0, nk);
 
         for (int r = 0; r < nq; ++r) {
@@ -305,20 +321,26 @@ struct FlashForward {
           any_row = true;
           if (dropout) Ops::dropout_row(p, uint64_t(bh), i, j0, w, srow, srow);
         }
+        clock.lap(&PathCounters::fwd_softmax_ns);
         if (!any_row) continue;  // the whole tile is masked: skip P V
         m_finite = true;
         for (int r = 0; r < nq; ++r) m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
       }
       // acc += P V_blk   [nq, Dv]
+      clock.lap(&PathCounters::fwd_softmax_ns);  // (the fused path's rescaling)
       if (!prepacked) Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
+      clock.lap(&PathCounters::fwd_pack_ns);
       int ldp;
       const float* pa = Ops::template prep_a<false>(s, L.lds, nq, nk, L.a16, &ldp);
+      clock.lap(&PathCounters::fwd_softmax_ns);
       Ops::template gemm<false>(nq, Dv, nk, pa, ldp, vp, v_stride, acc, L.ldacc, true,
                                 ct.limit_k());
+      clock.lap(&PathCounters::fwd_pv_ns);
     }
 
     for (int r = 0; r < nq; ++r)
       finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+    clock.lap(&PathCounters::fwd_softmax_ns);
     count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
   }
 };

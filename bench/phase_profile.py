@@ -1,0 +1,148 @@
+"""Where a tier's forward time goes: the prefill forward's steps per tier, dtype and shape.
+
+Runs flashsdpa's forward (prefill kernels) on each CPU tier this machine runs natively, with the
+kernels' step clocks on (flashsdpa._testing.counting: nanoseconds per step, summed over
+threads), and prints per case the share of the threads' time in each step:
+    pack     K^T / V panels packed (in the items or the PackKV phase)
+    scores   S = Q K^T, with the softmax's exponentials where they are fused into it
+    softmax  row work: online softmax, P in the P V GEMM's operand format (AMX: VNNI pairs), ...
+    pv       acc += P V
+    other    the rest of the threads' wall time: scheduling, waiting for the last item, the
+             call's setup
+and the two GEMM steps' rates per thread against this machine's per-thread peak (bench/peak.py:
+the FMA peak; for the bf16-only tiers, which multiply bf16 pairs, the vdpbf16ps peak). On a first machine with
+a new tier (AMX) this says in one run whether its GEMMs, its softmax or its scheduling lose.
+
+    python bench/phase_profile.py [--tiers avx512,amx] [--dtypes fp32,bf16]
+                                  [--shapes 1x16x1024x64,1x8x2048x128] [--calls 5] [--json F]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import flashsdpa  # noqa: E402
+from flashsdpa import _C, _testing  # noqa: E402
+from flashsdpa._isa import cap  # noqa: E402
+
+STEPS = ("pack", "scores", "softmax", "pv")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def native_tiers():
+    return [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"] and t["name"] != "portable"]
+
+
+def tier_dtypes(tier):
+    return {t["name"]: t["dtypes"] for t in _C.tiers()}[tier]
+
+
+def visible_fraction(L, S, causal):
+    """The share of (query, key) pairs a call computes (causal: bottom-right aligned)."""
+    if not causal:
+        return 1.0
+    return sum(min(S, max(0, S - L + i + 1)) for i in range(L)) / (L * S)
+
+
+def profile(tier, dtype, shape, causal, calls, threads):
+    """One case, its median call of `calls`: {"wall_ms", "<step>_share", "other_share" (shares of
+    wall x threads), "scores_gflops", "pv_gflops" (per thread while in the step)}."""
+    B, H, L, D = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(3))
+    run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+    with flashsdpa.enabled(), cap(tier):
+        run()  # warm-up (buffers, the pack workspace)
+        calls_ns = []  # (wall, {step: ns}) per call
+        for _ in range(calls):
+            with _testing.counting() as counts:
+                t0 = time.perf_counter_ns()
+                run()
+                wall = time.perf_counter_ns() - t0
+                c = counts()
+            assert _testing.last_policy()["tier"] == tier, _testing.last_policy()
+            calls_ns.append((wall, {s: c[f"fwd_{s}_ns"] for s in STEPS}))
+    wall, ns = sorted(calls_ns, key=lambda x: x[0])[len(calls_ns) // 2]  # the median call
+    busy = wall * threads
+    out = {"wall_ms": wall / 1e6}
+    out.update({f"{s}_share": ns[s] / busy for s in STEPS})
+    out["other_share"] = 1.0 - sum(ns.values()) / busy
+    # the GEMM steps' GFLOP/s per thread while in them
+    flops = 2.0 * B * H * L * L * D * visible_fraction(L, L, causal)
+    out["scores_gflops"] = flops / ns["scores"] if ns["scores"] else None
+    out["pv_gflops"] = flops / ns["pv"] if ns["pv"] else None
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiers", default=None, help="comma separated (default: every native tier)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--shapes", default="1x16x1024x64,1x8x2048x128", help="BxHxLxD, comma separated")
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-peak", action="store_true", help="skip the peak probe (bench/peak.py)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    tiers = args.tiers.split(",") if args.tiers else native_tiers()
+    unknown = sorted(set(tiers) - set(native_tiers()))
+    if unknown:
+        ap.error(f"--tiers: {unknown} not among the tiers this CPU runs: {native_tiers()}")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    dtypes = args.dtypes.split(",")
+    peak = None
+    if not args.no_peak:
+        import peak as peak_mod  # the better of two probes (a shared machine's noise is one way)
+        runs = [peak_mod.measure(threads, read_mib=64) for _ in range(2)]
+        peak = max(runs, key=lambda r: r["fma_peak_gflops"])
+        dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
+        peak["bf16_dot_gflops"] = max(dots) if dots else None
+    print(f"phase profile | {threads} threads | torch {torch.__version__} | per-thread peak: "
+          + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
+             + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
+                peak["bf16_dot_gflops"] else "") if peak else "not measured"))
+    print(f"{'tier':<12}{'dtype':<6}{'shape':<16}{'causal':<7}{'ms':>8}  "
+          + "".join(f"{s:>9}" for s in STEPS + ("other",))
+          + f"{'scores GF/s (% peak)':>23}{'pv GF/s (% peak)':>19}")
+    rows = []
+    for tier in tiers:
+        for dt in dtypes:
+            if str(DTYPES[dt]).replace("torch.", "") not in tier_dtypes(tier):
+                continue
+            for shape in shapes:
+                for causal in (False, True):
+                    r = profile(tier, DTYPES[dt], shape, causal, args.calls, threads)
+                    ref = None  # the peak of the instructions the tier's GEMMs use
+                    if peak:
+                        ref = peak["fma_peak_gflops"] / threads
+                        if tier_dtypes(tier) == ["bfloat16"] and peak["bf16_dot_gflops"]:
+                            ref = peak["bf16_dot_gflops"] / threads  # (AMX: its tiles are faster)
+                    rate = lambda g: "-" if g is None else (  # noqa: E731
+                        f"{g:.1f}" + (f" ({100 * g / ref:.0f}%)" if ref else ""))
+                    print(f"{tier:<12}{dt:<6}{'x'.join(map(str, shape)):<16}"
+                          f"{'yes' if causal else 'no':<7}{r['wall_ms']:8.2f}  "
+                          + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in STEPS + ("other",))
+                          + f"{rate(r['scores_gflops']):>23}{rate(r['pv_gflops']):>19}",
+                          flush=True)
+                    rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape), causal=causal,
+                                     peak_per_thread_gflops=ref))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": threads, "torch": torch.__version__, "peak": peak,
+                       "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

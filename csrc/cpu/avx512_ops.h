@@ -82,16 +82,24 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 }
 
 // exp2 of 16 lanes: exp2_poly's polynomial (scalar.h) with AVX-512's rounding and scaling:
-// n = rint(x) by vrndscaleps, 2^n applied by vscalefps (which also saturates large |n| to inf / 0),
-// 4 fewer vector ops per 16 lanes than the magic-number steps of exp2_8. x is clamped below at
-// -151 so that -inf (masked scores) gives exactly 0; NaN flows through (max returns its second
-// operand when one is NaN). Results below 2^-126 are denormal rather than flushed to 0.
+// n = rint(x) by vrndscaleps, 2^n applied by vscalefps (which also saturates large n to inf),
+// 4 fewer vector ops per 16 lanes than the magic-number steps of exp2_8. NaN flows through (max
+// returns its second operand when one is NaN; NLT_UQ keeps unordered lanes).
+// kMasked (lanes that may be -inf: masked scores): x is clamped below at -126, so every
+// vscalefps result is a normal fp32 (one that underflows, denormal or 0, takes a microcode
+// assist on Intel cores, as the masked lanes of every causal diagonal tile did), and the lanes
+// below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose tiles
+// every row sees whole: no -inf) one vector op fewer, x clamped at -151: what underflows gives
+// 0 or a denormal, through an assist only for scores 126 below the running max.
+template <bool kMasked = true>
 inline __m512 exp2_16(__m512 x) {
-  const __m512 xc = _mm512_max_ps(_mm512_set1_ps(-151.0f), x);
+  const __m512 lo = _mm512_set1_ps(kMasked ? -126.0f : -151.0f);
+  const __m512 xc = _mm512_max_ps(lo, x);
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
   const __m512 p = exp2_horner(f, [](float c) { return _mm512_set1_ps(c); },
                                [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
+  if constexpr (kMasked) return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, n);
   return _mm512_scalef_ps(p, n);
 }
 
@@ -190,8 +198,8 @@ struct Avx512Ops : Avx2Ops {
       __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
-    const __m512 p0 = exp2_16(_mm512_sub_ps(c##i##0, m0));                    \
-    const __m512 p1 = exp2_16(_mm512_sub_ps(c##i##1, m1));                    \
+    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, m0));             \
+    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, m1));             \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
     t0 = _mm512_add_ps(t0, p0);                                               \
@@ -205,8 +213,8 @@ struct Avx512Ops : Avx2Ops {
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
     const __m512 mr = _mm512_set1_ps(mref[n]);                                \
-    const __m512 p0 = exp2_16(_mm512_sub_ps(c##i##0, mr));                    \
-    const __m512 p1 = exp2_16(_mm512_sub_ps(c##i##1, mr));                    \
+    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, mr));             \
+    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, mr));             \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
     float* sv = sumv + 16 * (n);                                              \

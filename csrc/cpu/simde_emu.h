@@ -147,3 +147,5 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm512_reduce_max_ps(v) flashsdpa::emu::reduce_max_ps(v)
 #undef _mm512_scalef_ps
 #define _mm512_scalef_ps(a, b) flashsdpa::emu::scalef_ps(a, b)
+#undef _mm512_maskz_scalef_ps
+#define _mm512_maskz_scalef_ps(k, a, b) _mm512_maskz_mov_ps(k, flashsdpa::emu::scalef_ps(a, b))

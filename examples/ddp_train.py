@@ -55,7 +55,9 @@ def worker(rank, world_size, port, args):
         return loss.detach()
 
     for i in range(args.steps):
-        if i == args.steps - 1:  # profiled: which attention kernels served the step
+        # rank 0's last step profiled: which attention kernels served it (only rank 0 prints
+        # them; a profiler started in every spawned rank is one more thread to tear down at exit)
+        if i == args.steps - 1 and rank == 0:
             loss, kernels = profiled(step)
         else:
             loss = step()
@@ -73,6 +75,11 @@ def worker(rank, world_size, port, args):
         same = all(torch.equal(gathered[0], g) for g in gathered)
         print(f"flashsdpa kernels in rank 0's last step: {', '.join(kernels) or 'none'}")
         print(f"parameters identical on all {world_size} ranks: {same}", flush=True)
+    # Every rank done with its collectives, and the DDP wrapper (whose reducer holds gloo work)
+    # gone, before the group is: a rank that exits while gloo still holds work can abort
+    # ("terminate called without an active exception").
+    dist.barrier()
+    del model, optimizer
     dist.destroy_process_group()
 
 

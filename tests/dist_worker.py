@@ -131,6 +131,9 @@ def main():
     final = {name: full(p).detach().clone() for name, p in params.items()}
     torch.save({"grads": grads, "params": final, "counts": kernel_counts},
                os.path.join(args.out, f"rank{args.rank}.pt"))
+    # (as examples/ddp_train.py: collectives done and the wrapper gone before the group)
+    dist.barrier()
+    del wrapped, model, params
     dist.destroy_process_group()
 
 

@@ -88,8 +88,23 @@ def test_inference():
     assert float(share.split(": ")[1].rstrip("%")) >= 90, out  # the trained model copies
 
 
+# A spawned rank can abort while its interpreter exits, in PyTorch's teardown after the run's
+# work and checks are done ("terminate called without an active exception"; 2 of about 80
+# runs on the 2-core CI machine, not reproduced under PYTHONFAULTHANDLER in 55). That one
+# signature, after complete output, gets one more run; anything else fails at once.
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def test_ddp_train():
-    out = run("examples/ddp_train.py", "--steps", "4")
+    args = [sys.executable, "examples/ddp_train.py", "--steps", "4"]
+    for attempt in (1, 2):
+        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = done.stdout
+        aborted_at_exit = (done.returncode != 0 and EXIT_ABORT in done.stderr and
+                           "parameters identical on all 2 ranks: True" in out)
+        if not (aborted_at_exit and attempt == 1):
+            break
+    assert done.returncode == 0, done.stderr[-3000:]
     assert sum(line.startswith("step ") and "rank 1 " in line for line in out.splitlines()) == 4
     assert "parameters identical on all 2 ranks: True" in out
     assert "flashsdpa::flash_attn_bwd" in out

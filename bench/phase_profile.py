@@ -32,6 +32,7 @@ sys.path.insert(0, HERE)
 import flashsdpa  # noqa: E402
 from flashsdpa import _C, _testing  # noqa: E402
 from flashsdpa._isa import cap  # noqa: E402
+from bench_sdpa import visible_pairs  # noqa: E402
 
 STEPS = ("pack", "scores", "softmax", "pv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,13 +44,6 @@ def native_tiers():
 
 def tier_dtypes(tier):
     return {t["name"]: t["dtypes"] for t in _C.tiers()}[tier]
-
-
-def visible_fraction(L, S, causal):
-    """The share of (query, key) pairs a call computes (causal: bottom-right aligned)."""
-    if not causal:
-        return 1.0
-    return sum(min(S, max(0, S - L + i + 1)) for i in range(L)) / (L * S)
 
 
 def profile(tier, dtype, shape, causal, calls, threads):
@@ -76,7 +70,7 @@ def profile(tier, dtype, shape, causal, calls, threads):
     out.update({f"{s}_share": ns[s] / busy for s in STEPS})
     out["other_share"] = 1.0 - sum(ns.values()) / busy
     # the GEMM steps' GFLOP/s per thread while in them
-    flops = 2.0 * B * H * L * L * D * visible_fraction(L, L, causal)
+    flops = 2.0 * B * H * visible_pairs(L, L, causal) * D
     out["scores_gflops"] = flops / ns["scores"] if ns["scores"] else None
     out["pv_gflops"] = flops / ns["pv"] if ns["pv"] else None
     return out

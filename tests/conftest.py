@@ -98,10 +98,12 @@ def emulated_subset(items):
         if not str(params.get("tier", "")).startswith("emu-"):
             keep.append(item)
             continue
-        seen = covered.setdefault((item.module.__name__, item.originalname, params["tier"]), set())
+        key = (item.module.__name__, item.originalname, params["tier"])
+        first = key not in covered
+        seen = covered.setdefault(key, set())
         pairs = {(k, repr(v)) for k, v in params.items() if k != "tier"}
-        if not pairs <= seen or not seen:
-            seen |= pairs or {None}
+        if first or not pairs <= seen:
+            seen |= pairs
             keep.append(item)
     return keep
 

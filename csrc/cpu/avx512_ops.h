@@ -87,7 +87,7 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // returns its second operand when one is NaN; NLT_UQ keeps unordered lanes).
 // kMasked (lanes that may be -inf: masked scores): x is clamped below at -126, so every
 // vscalefps result is a normal fp32 (one that underflows, denormal or 0, takes a microcode
-// assist on Intel cores, as the masked lanes of every causal diagonal tile did), and the lanes
+// assist on Intel cores: every masked lane of a causal diagonal tile would), and the lanes
 // below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose tiles
 // every row sees whole: no -inf) one vector op fewer, x clamped at -151: what underflows gives
 // 0 or a denormal, through an assist only for scores 126 below the running max.

@@ -144,6 +144,7 @@ struct AttnParams {
 // each step, summed over threads (where a tier's time goes: bench/phase_profile.py).
 #define FLASHSDPA_PATH_COUNTERS(X)                                                            \
   X(fused_exp_blocks)       /* forward kv blocks whose exponentials were fused */            \
+  X(fused_exp_band_blocks)  /* ... of them, blocks a band's edge crosses (causal, window) */  \
   X(fwd_tiles)              /* forward (q block, kv block) score tiles computed */           \
   X(bwd_tiles)              /* backward (q block, kv block) score tiles computed */          \
   X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \

@@ -54,19 +54,38 @@ def test_fused_exponentials_count_blocks(tier, transposed, dtype):
     torch.testing.assert_close(outs[1], outs[0])  # the same sums, rounded apart
 
 
-def test_fused_exponentials_skip_visibility_cut_blocks(tier):
-    """Under causal only the blocks left of the diagonal fuse: fewer than without it."""
-    q, k, v = make_qkv(1, 1, 1, 512, 512, 32)
-    counts = {}
-    for causal in (False, True):
-        with _testing.policy(transposed=0), _testing.counting() as n:
-            check_forward_backward(q, k, v, torch.float32, f"{tier} causal={causal}",
-                                   backward=False, is_causal=causal)
-            counts[causal] = n()["fused_exp_blocks"]
-    if "fused_exp" in ran_paths():
-        assert 0 < counts[True] < counts[False]
-    else:
-        assert counts == {False: 0, True: 0}
+# name -> (Lq, Lk, flash_attn_func keywords): blocks a band's edge crosses, several kv blocks
+# of whole panels (D = 32: bk = 256), ragged q blocks
+BAND_CASES = {
+    "causal": (515, 515, dict(causal=True)),
+    "causal-bottom-right": (300, 812, dict(causal=True)),
+    "window": (520, 520, dict(window_size=(100, 40))),
+    "window-causal": (640, 640, dict(causal=True, window_size=(300, 0))),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(BAND_CASES))
+def test_fused_exponentials_on_band_blocks(tier, case, dtype):
+    """The fused exponentials also run on the kv blocks a band's edge crosses (causal diagonal,
+    bottom-right, windows; counted by the kernels), within the rule against the fp64 reference,
+    and equal to the two-pass path up to rounding."""
+    from test_variants import check, reference  # noqa: F401 (the variants' fp64 reference)
+    lq, lk, kw = BAND_CASES[case]
+    q, k, v = make_qkv(1, 2, 2, lq, lk, 32, dtype=dtype)
+    run = lambda q, k, v, _kw: flashsdpa.flash_attn_func(  # noqa: E731
+        *(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
+    ref_kw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
+    outs = {}
+    for fused in (1, 0):
+        with _testing.policy(fused_exp=fused, transposed=0), _testing.counting() as n:
+            outs[fused] = check(q, k, v, ref_kw, dtype, f"{tier} {case} fused={fused}", run=run,
+                                bottom_right=True, backward=False)
+            c = n()
+            can = "fused_exp" in ran_paths()
+        assert (c["fused_exp_band_blocks"] > 0) == bool(fused and can), (fused, c)
+        assert c["fused_exp_band_blocks"] <= c["fused_exp_blocks"]
+    torch.testing.assert_close(outs[1], outs[0])
 
 
 def test_whole_q_block(tier):

@@ -12,9 +12,11 @@
 //   out = acc / l;  lse = ln(2) * (m + log2(l))
 // Rows with nothing to attend to (l == 0) give out = 0 and lse = 0, as PyTorch's kernel does.
 // Fused exponentials (traits with fused_exp, when the plan allows them: AttnParams::fused_exp):
-// on a block where every row sees every column (no mask, no dropout, no visibility cut, whole
-// panels), P = 2^(s - m) comes straight from the S GEMM's tile stores with m the running max of
-// the earlier blocks, or 0 on the first block (no max pass; the exp work overlaps the GEMM). A
+// on a block without mask, dropout, softcap or ALiBi, of whole panels, P = 2^(s - m) comes
+// straight from the S GEMM's tile stores with m the running max of the earlier blocks, or 0 on
+// the first block (no max pass; the exp work overlaps the GEMM); on a block a band's edge (the
+// causal diagonal, a window) crosses, the tiles it crosses are exponentiated by row, the
+// columns a row does not see set to 0 (gemm_exp_loop). A
 // row whose block sum passes 2^16 then moves m up by a power of two (P, l, acc rescaled); a sum
 // that is inf or NaN, or on the first block below 2^-40 (scores so low that 2^(s - 0) would lose
 // digits), sends the block through the two-pass path.
@@ -214,7 +216,7 @@ struct FlashForward {
 
   static void run_item(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     const Layout L(p, bl, false, scratch);
-    int64_t fused_blocks = 0;
+    int64_t fused_blocks = 0, band_blocks = 0;
     const QItem pos(p, bl, item);
     const int64_t bh = pos.bh, b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
     const int nq = pos.nq;
@@ -264,8 +266,9 @@ struct FlashForward {
       const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
       bool any_row = false;
       if constexpr (caps<Ops>().fused_exp) {
-        // Every row sees every column and has a finite running max: P = 2^(S - m) straight from
-        // the GEMM's tile stores, against the max of the earlier blocks rather than this one's.
+        // Every row has a finite running max: P = 2^(S - m) straight from the GEMM's tile
+        // stores (0 on the columns a row does not see), against the max of the earlier blocks
+        // rather than this one's.
         // The same online softmax with another reference point: a row whose block sum grows
         // past 2^16 moves its reference up (P, l and acc rescaled as usual); a sum that is not
         // finite (overflow, NaN) sends the block through the two-pass path below. On the first
@@ -274,14 +277,15 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == kv_begin && !p.sinks;
-        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) && !ct.partial() &&
+        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) &&
             p.mask_type == MaskType::None && !dropout && p.softcap == 0.0f && !p.alibi &&
             nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
           float* sv = L.sv;
           for (int64_t x = 0; x < int64_t(nq) * 16; ++x) sv[x] = 0.0f;
-          Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv);
+          Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv,
+                        ct.limit_n());
           clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int r = 0; r < nq; ++r) {
@@ -299,6 +303,7 @@ struct FlashForward {
             any_row = true;
             m_finite = true;
             ++fused_blocks;
+            band_blocks += ct.partial();
           } else if (first) {
             for (int r = 0; r < nq; ++r) m[r] = kNegInf;
           }
@@ -342,6 +347,7 @@ struct FlashForward {
       finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
     clock.lap(&PathCounters::fwd_softmax_ns);
     count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
+    count_path(p, &PathCounters::fused_exp_band_blocks, band_blocks);
   }
 };
 

@@ -213,18 +213,36 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 
 // The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
 // trait with fused_exp (its micro_tile<false, R, true> stores 2^(C - mref[row]) and adds each
-// row's vectors to sumv + 16 row): N a multiple of NR, every row sees every column, sumv zeroed
-// by the caller. Saves the separate max and exp passes over S, and the exp work of a tile
-// overlaps the next tile's FMAs. (flash_fwd.h: the reference is the running max of the earlier
-// blocks.)
+// row's vectors to sumv + 16 row): N a multiple of NR, sumv zeroed by the caller. Saves the
+// separate max and exp passes over S, and the exp work of a tile overlaps the next tile's FMAs.
+// (flash_fwd.h: the reference is the running max of the earlier blocks.) Under a band's
+// RowLimit (a tile the causal diagonal or a window edge crosses; `lim` from VisTile::limit_n)
+// the tiles no row of their group sees are skipped as in gemm_loop, and a tile the band's edge
+// crosses is stored plain and then exponentiated by row (Row::exp2_band_sum): 2^(C - mref) on
+// the columns its row sees, 0 on the others, their sum added to the row's first sumv lane.
 template <class Ops>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
-                          int64_t bstride, float* c, int ldc, const float* mref, float* sumv) {
+                          int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
+                          const RowLimit* lim = nullptr) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
-    micro_tile_rows<Ops, false, MR, true>(R, kk, a + int64_t(i) * lda, lda, bp + p * bstride,
-                                          c + p * NR + int64_t(i) * ldc, ldc, false, mref + i,
-                                          sumv + 16 * int64_t(i));
+  constexpr int64_t kAll = int64_t(1) << 40;
+  for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {
+    const float* ai = a + int64_t(i) * lda;
+    const float* panel = bp + p * bstride;
+    float* ci = c + p * NR + int64_t(i) * ldc;
+    // the columns of this tile its row n sees: [lo + n, hi + n)
+    const int64_t lo = lim && lim->has_lo ? lim->lo_off + i - int64_t(p) * NR : -kAll;
+    const int64_t hi = lim && lim->has_hi ? lim->hi_off + i + 1 - int64_t(p) * NR : kAll;
+    if (lo + R - 1 <= 0 && hi >= NR) {  // every row sees the whole tile
+      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
+                                            sumv + 16 * int64_t(i));
+      return;
+    }
+    micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
+    for (int n = 0; n < R; ++n)
+      sumv[16 * int64_t(i + n)] += Ops::Row::exp2_band_sum(
+          ci + int64_t(n) * ldc, NR, mref[i + n], int(max64(0, min64(NR, lo + n))),
+          int(max64(0, min64(NR, hi + n))));
   });
 }
 
@@ -268,8 +286,9 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
   }
 #define FLASHSDPA_TRAIT_GEMM_EXP(Self)                                                       \
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,        \
-                       int64_t bstride, float* c, int ldc, const float* mref, float* sumv) { \
-    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv);                   \
+                       int64_t bstride, float* c, int ldc, const float* mref, float* sumv,   \
+                       const RowLimit* lim = nullptr) {                                      \
+    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv, lim);              \
   }
 
 // What the decode kernels prefetch while they read a block of K or V rows: for each row (the

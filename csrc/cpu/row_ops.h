@@ -172,6 +172,23 @@ struct RowOps {
     return V::hsum(V::kSums == 2 ? V::add(sum0, sum1) : sum0);
   }
 
+  // s[j] = exp2(s[j] - m) for j in [lo, hi), 0 for the other columns of the vectors covering
+  // n; returns the sum. m must be finite. (A band's edge tile in the fused exponentials:
+  // gemm_exp_loop, generic_ops.h.)
+  static float exp2_band_sum(float* s, int n, float m, int lo, int hi) {
+    const reg mv = V::splat(m);
+    reg sum = V::splat(0.0f);
+    for (int j = 0; j < n; j += W) {
+      reg x = V::load(s + j);
+      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
+      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      const reg e = V::exp2(V::sub(x, mv));
+      V::store(s + j, e);
+      sum = V::add(sum, e);
+    }
+    return V::hsum(sum);
+  }
+
   // x[j] *= a for j < n.
   static void scale_row(float* x, int n, float a) {
     const reg av = V::splat(a);

@@ -184,16 +184,19 @@ struct FlashBackward {
     return Visibility::of(p).last_row_end(j0 + nk);
   }
 
-  // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j])
-  static void add_dkdv(const AttnParams& p, const Layout& L, int nq, int nk,
-                       const Tile& tile, float* dk, float* dv) {
+  // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j]). On a tile a
+  // band's edge crosses, each group of keys only reduces over the queries that see one of them
+  // (VisTile::limit_t): P and dS are 0 on the others.
+  static void add_dkdv(const AttnParams& p, const Layout& L, int64_t i0, int nq, int64_t j0,
+                       int nk, const Tile& tile, float* dk, float* dv) {
+    const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
     Ops::template gemm<true>(nk, int(p.Dv), nq, a, lda, L.dop, int64_t(nq) * Ops::NR,
-                             dv, L.lddv, true);
+                             dv, L.lddv, true, ct.limit_t());
     a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
     Ops::template gemm<true>(nk, int(p.D), nq, a, lda, L.qp, int64_t(nq) * Ops::NR, dk,
-                             L.ldd, true);
+                             L.ldd, true, ct.limit_t());
   }
 
   // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
@@ -246,7 +249,7 @@ struct FlashBackward {
         load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
         Tile tile;
         if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
-          add_dkdv(p, L, nq, nk, tile, dk, dv);
+          add_dkdv(p, L, i0, nq, j0, nk, tile, dk, dv);
       }
     }
     store_dkdv(p, L, b, hk, j0, nk, dk, dv);
@@ -308,7 +311,7 @@ struct FlashBackward {
           load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
           Tile tile;
           if (!tile_ds(p, L, b, h, i0, nq, j0, nk, &tile)) continue;
-          add_dkdv(p, L, nq, nk, tile, dk, dv);
+          add_dkdv(p, L, i0, nq, j0, nk, tile, dk, dv);
           add_dq(p, L, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
         }
       }

@@ -69,9 +69,12 @@ struct VisTile {
   int nq, nk, group;
   RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i + R) needs columns (inner
                           // steps) [i0 + i + lo - j0, i0 + i + R - 1 + hi - j0)
+  RowLimit lim_t;  // and for the products over the tile's transpose (rows: keys, inner steps:
+                   // queries): keys [k, k + R) need queries [j0 + k - hi + 1 - i0, j0 + k + R - lo - i0)
   bool partial() const { return cut_hi || cut_lo; }
   const RowLimit* limit_n() const { return partial() ? &lim_n : nullptr; }  // S = Q K^T
   const RowLimit* limit_k() const { return partial() ? &lim_k : nullptr; }  // O += P V
+  const RowLimit* limit_t() const { return partial() ? &lim_t : nullptr; }  // dV += P^T dO
   // The columns the group of row r computes: [group_first, width) (width 0: nothing)
   int width(int r) const {
     if (!cut_hi) return nk;
@@ -91,7 +94,10 @@ inline VisTile Visibility::tile(int64_t i0, int nq, int64_t j0, int nk, int grou
   const RowLimit lim{cut_hi, i0 - j0 + hi - 1, cut_lo, i0 - j0 + lo, true};
   RowLimit lim_k = lim;
   lim_k.on_n = false;
-  return VisTile{*this, cut_hi, cut_lo, i0, j0, nq, nk, group, lim, lim_k};
+  // key j is seen by the queries i with j - hi < i <= j - lo: the band's upper edge bounds the
+  // queries from below, its lower edge from above
+  const RowLimit lim_t{cut_lo, j0 - i0 - lo, cut_hi, j0 - i0 - hi + 1, false};
+  return VisTile{*this, cut_hi, cut_lo, i0, j0, nq, nk, group, lim, lim_k, lim_t};
 }
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -74,6 +74,30 @@ struct Avx512Bf16Ops : Avx512Ops {
       }
     }
 
+    // The forward's exp pass straight into the A operand of P V (online_softmax_row):
+    // P = 2^(s * mul - m) over the vectors covering n columns (the padding lanes score_row left
+    // at -inf give 0), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of
+    // back into s; returns the sum of the unrounded P. mul > 0.
+    static float exp2_row_sum_bf16(const float* s, int n, float mul, float m, uint16_t* dst) {
+      const __m512 mv = _mm512_set1_ps(-m), kv = _mm512_set1_ps(mul);
+      __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
+      int j = 0;
+      for (; j + 32 <= n; j += 32) {
+        const __m512 e0 = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));
+        const __m512 e1 = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), kv, mv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j + 16), cvt16_bf16(e1));
+        sum0 = _mm512_add_ps(sum0, e0);
+        sum1 = _mm512_add_ps(sum1, e1);
+      }
+      for (; j < n; j += 16) {
+        const __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e));
+        sum0 = _mm512_add_ps(sum0, e);
+      }
+      return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+    }
+
     // B[kk][n] = src[kk*ld + n] as VNNI-2 panels: word (kp, n) = (B[2kp][n], B[2kp+1][n]).
     template <class T>
     static void pack_b(const T* src, int64_t ld, int K, int N, float* dst) {

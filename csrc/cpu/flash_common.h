@@ -195,17 +195,31 @@ inline void start_row(const AttnParams& p, int64_t h, float* m, float* l) {
 //   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
 // Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
 // (P is defined up to the next multiple of 8 past w, as score_row / exp2_row_sum leave it.)
+// p16 (traits with prep_a only): P goes rounded to bf16 into p16, a row of the A operand of
+// P V, instead of into srow (defined up to the next multiple of 16 past w), which saves the
+// prep_a pass; and on a plain row whose scale score_row would apply (mul > 0: the row max
+// commutes with it, exactly in fp32) the exp pass applies it instead of a pass of its own.
 template <class Ops>
 inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m, float* l,
-                               float* acc_row, int Dv) {
-  const float mx = Ops::Row::score_row(srow, w, rs);
+                               float* acc_row, int Dv, uint16_t* p16 = nullptr) {
+  RowScore r = rs;
+  float mul = 1.0f;  // the scale left to the exp pass
+  if (p16 && rs.plain() && !rs.madd && rs.mul > 0.0f) mul = rs.mul, r.mul = 1.0f;
+  const float mx = Ops::Row::score_row(srow, w, r) * mul;
   const float m_new = mx > *m ? mx : *m;
   if (m_new == kNegInf) {
     for (int c = 0; c < int(round_up(w, 8)); ++c) srow[c] = 0.0f;
+    if (p16)
+      for (int c = 0; c < int(round_up(w, 16)); ++c) p16[c] = 0;
     return false;
   }
   const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0
-  const float rowsum = Ops::Row::exp2_row_sum(srow, w, m_new);
+  float rowsum;
+  if constexpr (caps<Ops>().prep_a)
+    rowsum = p16 ? Ops::Row::exp2_row_sum_bf16(srow, w, mul, m_new, p16)
+                 : Ops::Row::exp2_row_sum(srow, w, m_new);
+  else
+    rowsum = Ops::Row::exp2_row_sum(srow, w, m_new);
   *l = *l * alpha + rowsum;
   *m = m_new;
   if (alpha != 1.0f) Ops::Row::scale_row(acc_row, Dv, alpha);

@@ -228,6 +228,9 @@ struct FlashForward {
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
     const bool dropout = p.dropout_p > 0.0f;
+    // prep_a traits: the exp pass writes P straight into P V's A operand (online_softmax_row),
+    // unless dropout, which works on the fp32 P, follows it
+    const bool p_in_a = caps<Ops>().prep_a && !dropout;
 
     StepClock clock(p);  // (the steps' time, when counting: PathCounters::fwd_*_ns)
     // Q_blk [nq, D] in fp32
@@ -321,7 +324,9 @@ struct FlashForward {
           float* srow = s + int64_t(r) * L.lds;
           RowScore rs = row_score(p, b, h, i, j0, s_mul, mt.row(mtile, r));
           rs.lo = ct.first(r), rs.hi = ct.cols(r);
-          if (!online_softmax_row<Ops>(srow, w, rs, &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv))
+          uint16_t* p16 = p_in_a ? reinterpret_cast<uint16_t*>(L.a16 + int64_t(r) * L.lds) : nullptr;
+          if (!online_softmax_row<Ops>(srow, w, rs, &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv,
+                                       p16))
             continue;
           any_row = true;
           if (dropout) Ops::dropout_row(p, uint64_t(bh), i, j0, w, srow, srow);
@@ -335,8 +340,8 @@ struct FlashForward {
       clock.lap(&PathCounters::fwd_softmax_ns);  // (the fused path's rescaling)
       if (!prepacked) Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
       clock.lap(&PathCounters::fwd_pack_ns);
-      int ldp;
-      const float* pa = Ops::template prep_a<false>(s, L.lds, nq, nk, L.a16, &ldp);
+      int ldp = L.lds;  // (P already in L.a16 when the exp pass wrote it there)
+      const float* pa = p_in_a ? L.a16 : Ops::template prep_a<false>(s, L.lds, nq, nk, L.a16, &ldp);
       clock.lap(&PathCounters::fwd_softmax_ns);
       Ops::template gemm<false>(nq, Dv, nk, pa, ldp, vp, v_stride, acc, L.ldacc, true,
                                 ct.limit_k());

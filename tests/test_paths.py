@@ -37,6 +37,16 @@ def test_transposed_scores(tier, forced):
     assert any(n.startswith("flashsdpa::cpu_forward_transposed") for n in names) == expected
 
 
+def assert_paths_close(fused, two_pass):
+    """The fused exponentials against the two-pass softmax: the same sums, rounded apart. The bf16
+    tiers round P to bf16 for P V, relative to another reference in each (the earlier blocks'
+    max, not the row's): apart by up to an ulp of bf16 at the output's scale."""
+    tol = {}
+    if fused.dtype == torch.bfloat16:
+        tol = dict(rtol=1.6e-2, atol=2.0 ** -8 * float(two_pass.abs().max()))
+    torch.testing.assert_close(fused, two_pass, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("transposed", [1, 0], ids=["transposed", "rows"])
 def test_fused_exponentials_count_blocks(tier, transposed, dtype):
@@ -51,7 +61,7 @@ def test_fused_exponentials_count_blocks(tier, transposed, dtype):
             blocks = n()["fused_exp_blocks"]
             can = "fused_exp" in ran_paths()
         assert (blocks > 0) == bool(fused and can), (fused, blocks)
-    torch.testing.assert_close(outs[1], outs[0])  # the same sums, rounded apart
+    assert_paths_close(outs[1], outs[0])
 
 
 # name -> (Lq, Lk, flash_attn_func keywords): blocks a band's edge crosses, several kv blocks
@@ -85,7 +95,7 @@ def test_fused_exponentials_on_band_blocks(tier, case, dtype):
             can = "fused_exp" in ran_paths()
         assert (c["fused_exp_band_blocks"] > 0) == bool(fused and can), (fused, c)
         assert c["fused_exp_band_blocks"] <= c["fused_exp_blocks"]
-    torch.testing.assert_close(outs[1], outs[0])
+    assert_paths_close(outs[1], outs[0])
 
 
 def test_whole_q_block(tier):

@@ -43,7 +43,7 @@ struct Avx512Bf16Ops : Avx512Ops {
   static constexpr int MR = 12;
   // Avx512Ops' fused exponentials and transposed scores take fp32 operands: off here
   FLASHSDPA_TRAIT_CAPS(Avx512Bf16Ops, /*scale_in_a=*/false, /*prep_a=*/true,
-                       /*inner_pack=*/2, /*fused_exp=*/false, /*transposed_s=*/false)
+                       /*inner_pack=*/2, /*fused_exp=*/true, /*transposed_s=*/false)
 
   // Pair (a, b) -> one 32-bit word: a in the low half.
   static inline __m512i interleave_lo(__m512i a, __m512i b) {  // columns 0..15
@@ -74,28 +74,44 @@ struct Avx512Bf16Ops : Avx512Ops {
       }
     }
 
-    // The forward's exp pass straight into the A operand of P V (online_softmax_row):
-    // P = 2^(s * mul - m) over the vectors covering n columns (the padding lanes score_row left
-    // at -inf give 0), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of
-    // back into s; returns the sum of the unrounded P. mul > 0.
-    static float exp2_row_sum_bf16(const float* s, int n, float mul, float m, uint16_t* dst) {
+    // The forward's exp pass straight into the A operand of P V (online_softmax_row, and the
+    // fused exponentials' tiles: gemm_exp_loop): P = 2^(s * mul - m) for the columns [lo, hi),
+    // 0 for the others of the vectors covering n (and for the padding lanes score_row left at
+    // -inf), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of back into
+    // s; the unrounded P's 16-lane sum added to sum16.
+    static void exp2_band_bf16(const float* s, int n, float mul, float m, int lo, int hi,
+                               uint16_t* dst, float* sum16) {
       const __m512 mv = _mm512_set1_ps(-m), kv = _mm512_set1_ps(mul);
-      __m512 sum0 = _mm512_setzero_ps(), sum1 = sum0;
-      int j = 0;
-      for (; j + 32 <= n; j += 32) {
-        const __m512 e0 = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));
-        const __m512 e1 = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j + 16), kv, mv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j + 16), cvt16_bf16(e1));
-        sum0 = _mm512_add_ps(sum0, e0);
-        sum1 = _mm512_add_ps(sum1, e1);
-      }
-      for (; j < n; j += 16) {
-        const __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));
+      __m512 sum = _mm512_loadu_ps(sum16);
+      for (int j = 0; j < n; j += 16) {
+        __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));  // -inf: 0
+        if (j < lo || j + 16 > hi) {
+          const int a = lo - j < 0 ? 0 : lo - j < 16 ? lo - j : 16;
+          const int b = hi - j < 0 ? 0 : hi - j < 16 ? hi - j : 16;
+          e = _mm512_maskz_mov_ps(__mmask16(tail_mask16(b) & ~tail_mask16(a)), e);
+        }
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e));
-        sum0 = _mm512_add_ps(sum0, e);
+        sum = _mm512_add_ps(sum, e);
       }
-      return _mm512_reduce_add_ps(_mm512_add_ps(sum0, sum1));
+      _mm512_storeu_ps(sum16, sum);
+    }
+    // The same over a whole row, its sum returned.
+    static float exp2_band_sum_bf16(const float* s, int n, float mul, float m, int lo, int hi,
+                                    uint16_t* dst) {
+      alignas(64) float sum16[16] = {};
+      exp2_band_bf16(s, n, mul, m, lo, hi, dst, sum16);
+      return _mm512_reduce_add_ps(_mm512_load_ps(sum16));
+    }
+
+    // dst[j] *= a for j < n (n a multiple of 16; a a power of two: exact but for underflow).
+    static void scale_row_bf16(uint16_t* dst, int n, float a) {
+      const __m512 av = _mm512_set1_ps(a);
+      for (int j = 0; j < n; j += 16) {
+        __m256i* d = reinterpret_cast<__m256i*>(dst + j);
+        const __m512 x = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(d)), 16));
+        _mm256_storeu_si256(d, cvt16_bf16(_mm512_mul_ps(x, av)));
+      }
     }
 
     // B[kk][n] = src[kk*ld + n] as VNNI-2 panels: word (kp, n) = (B[2kp][n], B[2kp+1][n]).
@@ -241,6 +257,10 @@ struct Avx512Bf16Ops : Avx512Ops {
   }
 
   FLASHSDPA_TRAIT_GEMM(Avx512Bf16Ops)
+
+  // S GEMM with the exponentials fused (gemm_exp_loop, generic_ops.h: P in bf16 into the A
+  // operand of P V, each tile's rows exponentiated while the tile is in L1).
+  FLASHSDPA_TRAIT_GEMM_EXP(Avx512Bf16Ops)
 };
 
 // The decode path of this tier: Q . K on vdpbf16ps (bf16 Q rows, unscaled; K rows read in place

@@ -216,7 +216,7 @@ inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m,
   const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0
   float rowsum;
   if constexpr (caps<Ops>().prep_a)
-    rowsum = p16 ? Ops::Row::exp2_row_sum_bf16(srow, w, mul, m_new, p16)
+    rowsum = p16 ? Ops::Row::exp2_band_sum_bf16(srow, w, mul, m_new, 0, w, p16)
                  : Ops::Row::exp2_row_sum(srow, w, m_new);
   else
     rowsum = Ops::Row::exp2_row_sum(srow, w, m_new);

@@ -231,6 +231,7 @@ struct FlashForward {
     // prep_a traits: the exp pass writes P straight into P V's A operand (online_softmax_row),
     // unless dropout, which works on the fp32 P, follows it
     const bool p_in_a = caps<Ops>().prep_a && !dropout;
+    const auto a16_row = [&](int r) { return reinterpret_cast<uint16_t*>(L.a16 + int64_t(r) * L.lds); };
 
     StepClock clock(p);  // (the steps' time, when counting: PathCounters::fwd_*_ns)
     // Q_blk [nq, D] in fp32
@@ -280,7 +281,7 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == kv_begin && !p.sinks;
-        if (caps<Ops>().scale_in_a && p.fused_exp && (m_finite || first) &&
+        if ((caps<Ops>().scale_in_a || p_in_a) && p.fused_exp && (m_finite || first) &&
             p.mask_type == MaskType::None && !dropout && p.softcap == 0.0f && !p.alibi &&
             nk % Ops::NR == 0) {
           if (first)
@@ -288,7 +289,7 @@ struct FlashForward {
           float* sv = L.sv;
           for (int64_t x = 0; x < int64_t(nq) * 16; ++x) sv[x] = 0.0f;
           Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv,
-                        ct.limit_n());
+                        ct.limit_n(), s_mul, a16_row(0), 2 * int64_t(L.lds));
           clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int r = 0; r < nq; ++r) {
@@ -301,7 +302,11 @@ struct FlashForward {
             for (int r = 0; r < nq; ++r) {
               const float alpha =
                   absorb_fused_sum(sv[r * 16], &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv);
-              if (alpha != 1.0f) Ops::Row::scale_row(s + int64_t(r) * L.lds, nk, alpha);
+              if (alpha == 1.0f) continue;
+              if constexpr (caps<Ops>().prep_a)
+                Ops::Row::scale_row_bf16(a16_row(r), nk, alpha);
+              else
+                Ops::Row::scale_row(s + int64_t(r) * L.lds, nk, alpha);
             }
             any_row = true;
             m_finite = true;
@@ -324,7 +329,7 @@ struct FlashForward {
           float* srow = s + int64_t(r) * L.lds;
           RowScore rs = row_score(p, b, h, i, j0, s_mul, mt.row(mtile, r));
           rs.lo = ct.first(r), rs.hi = ct.cols(r);
-          uint16_t* p16 = p_in_a ? reinterpret_cast<uint16_t*>(L.a16 + int64_t(r) * L.lds) : nullptr;
+          uint16_t* p16 = p_in_a ? a16_row(r) : nullptr;
           if (!online_softmax_row<Ops>(srow, w, rs, &m[r], &l[r], acc + int64_t(r) * L.ldacc, Dv,
                                        p16))
             continue;

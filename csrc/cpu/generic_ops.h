@@ -212,18 +212,21 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 }
 
 // The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
-// trait with fused_exp (its micro_tile<false, R, true> stores 2^(C - mref[row]) and adds each
-// row's vectors to sumv + 16 row): N a multiple of NR, sumv zeroed by the caller. Saves the
-// separate max and exp passes over S, and the exp work of a tile overlaps the next tile's FMAs.
-// (flash_fwd.h: the reference is the running max of the earlier blocks.) Under a band's
-// RowLimit (a tile the causal diagonal or a window edge crosses; `lim` from VisTile::limit_n)
-// the tiles no row of their group sees are skipped as in gemm_loop, and a tile the band's edge
-// crosses is stored plain and then exponentiated by row (Row::exp2_band_sum): 2^(C - mref) on
-// the columns its row sees, 0 on the others, their sum added to the row's first sumv lane.
+// trait with fused_exp: N a multiple of NR, sumv zeroed by the caller. Saves the separate max
+// and exp passes over S. (flash_fwd.h: the reference mref is the running max of the earlier
+// blocks.) A trait with fp32 operands (scale folded into A) exponentiates its tile in registers
+// (micro_tile<false, R, true>: 2^(C - mref[row]) stored, each row's vectors added to sumv +
+// 16 row), so the exp work overlaps the next tile's FMAs. A trait with bf16 operands (prep_a)
+// stores its tile and then exponentiates it by row while it is in L1 (Row::exp2_band_bf16:
+// 2^(C * mul - mref[row]), into p16, the bf16 A operand of P V, rows ldp16 words apart; its
+// sums added to the row's 16 sumv lanes), as both do on a tile a band's edge crosses (a
+// RowLimit `lim` from VisTile::limit_n: tiles no row of a group sees are skipped as in
+// gemm_loop; on a crossed tile the columns a row does not see are 0; fp32 sums go to the row's
+// first sumv lane).
 template <class Ops>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
-                          const RowLimit* lim = nullptr) {
+                          const RowLimit* lim, float mul, uint16_t* p16, int64_t ldp16) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
   constexpr int64_t kAll = int64_t(1) << 40;
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {
@@ -233,16 +236,23 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     // the columns of this tile its row n sees: [lo + n, hi + n)
     const int64_t lo = lim && lim->has_lo ? lim->lo_off + i - int64_t(p) * NR : -kAll;
     const int64_t hi = lim && lim->has_hi ? lim->hi_off + i + 1 - int64_t(p) * NR : kAll;
-    if (lo + R - 1 <= 0 && hi >= NR) {  // every row sees the whole tile
-      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
-                                            sumv + 16 * int64_t(i));
-      return;
+    if constexpr (!caps<Ops>().prep_a) {
+      if (lo + R - 1 <= 0 && hi >= NR) {  // every row sees the whole tile
+        micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
+                                              sumv + 16 * int64_t(i));
+        return;
+      }
     }
     micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
-    for (int n = 0; n < R; ++n)
-      sumv[16 * int64_t(i + n)] += Ops::Row::exp2_band_sum(
-          ci + int64_t(n) * ldc, NR, mref[i + n], int(max64(0, min64(NR, lo + n))),
-          int(max64(0, min64(NR, hi + n))));
+    for (int n = 0; n < R; ++n) {
+      const int r = i + n, cl = int(max64(0, min64(NR, lo + n))), ch = int(max64(0, min64(NR, hi + n)));
+      float* row = ci + int64_t(n) * ldc;
+      if constexpr (caps<Ops>().prep_a)
+        Ops::Row::exp2_band_bf16(row, NR, mul, mref[r], cl, ch, p16 + r * ldp16 + p * NR,
+                                 sumv + 16 * r);
+      else
+        sumv[16 * r] += Ops::Row::exp2_band_sum(row, NR, mref[r], cl, ch);
+    }
   });
 }
 
@@ -287,8 +297,9 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
 #define FLASHSDPA_TRAIT_GEMM_EXP(Self)                                                       \
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,        \
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv,   \
-                       const RowLimit* lim = nullptr) {                                      \
-    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv, lim);              \
+                       const RowLimit* lim, float mul, uint16_t* p16, int64_t ldp16) {       \
+    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv, lim, mul, p16,     \
+                        ldp16);                                                              \
   }
 
 // What the decode kernels prefetch while they read a block of K or V rows: for each row (the

@@ -231,7 +231,9 @@ struct FlashForward {
     // prep_a traits: the exp pass writes P straight into P V's A operand (online_softmax_row),
     // unless dropout, which works on the fp32 P, follows it
     const bool p_in_a = caps<Ops>().prep_a && !dropout;
-    const auto a16_row = [&](int r) { return reinterpret_cast<uint16_t*>(L.a16 + int64_t(r) * L.lds); };
+    const auto a16_row = [&](int r) {  // row r of P V's bf16 A operand (prep_a traits)
+      return reinterpret_cast<uint16_t*>(L.a16 + int64_t(r) * L.lds);
+    };
 
     StepClock clock(p);  // (the steps' time, when counting: PathCounters::fwd_*_ns)
     // Q_blk [nq, D] in fp32

@@ -245,7 +245,8 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     }
     micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
     for (int n = 0; n < R; ++n) {
-      const int r = i + n, cl = int(max64(0, min64(NR, lo + n))), ch = int(max64(0, min64(NR, hi + n)));
+      const int r = i + n;
+      const int cl = int(max64(0, min64(NR, lo + n))), ch = int(max64(0, min64(NR, hi + n)));
       float* row = ci + int64_t(n) * ldc;
       if constexpr (caps<Ops>().prep_a)
         Ops::Row::exp2_band_bf16(row, NR, mul, mref[r], cl, ch, p16 + r * ldp16 + p * NR,

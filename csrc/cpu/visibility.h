@@ -69,8 +69,9 @@ struct VisTile {
   int nq, nk, group;
   RowLimit lim_n, lim_k;  // the same rule for the gemms: group [i, i + R) needs columns (inner
                           // steps) [i0 + i + lo - j0, i0 + i + R - 1 + hi - j0)
-  RowLimit lim_t;  // and for the products over the tile's transpose (rows: keys, inner steps:
-                   // queries): keys [k, k + R) need queries [j0 + k - hi + 1 - i0, j0 + k + R - lo - i0)
+  RowLimit lim_t;  // and for the products over the tile's transpose (rows: keys, inner
+                   // steps: queries): keys [k, k + R) need the queries
+                   // [j0 + k - hi + 1 - i0, j0 + k + R - lo - i0)
   bool partial() const { return cut_hi || cut_lo; }
   const RowLimit* limit_n() const { return partial() ? &lim_n : nullptr; }  // S = Q K^T
   const RowLimit* limit_k() const { return partial() ? &lim_k : nullptr; }  // O += P V

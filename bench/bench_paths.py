@@ -20,11 +20,12 @@ from bench_sdpa import (OUT_DIR, Progress, flops, geomean, host_meta,  # noqa: E
 
 from flashsdpa import _testing  # noqa: E402
 
-# name (the policy field forced off) -> the case it was made for: (mode, (B, Hq, Hkv, L, D), dtype,
-# causal); and what the path does.
+# name (the policy field forced off: the name up to a "@", which names a second case) -> the
+# case it was made for: (mode, (B, Hq, Hkv, L, D), dtype, causal); and what the path does.
 PATHS = {
     "transposed": ("fwd", (1, 16, 16, 1024, 64), torch.float32, False),
     "fused_exp": ("fwd", (1, 16, 16, 1024, 64), torch.float32, True),
+    "fused_exp@bf16": ("fwd", (1, 16, 16, 1024, 64), torch.bfloat16, True),
     "prepack": ("fwd", (1, 16, 4, 1024, 128), torch.bfloat16, True),
     "whole_q": ("fwd", (8, 12, 12, 256, 64), torch.float32, True),
     "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
@@ -33,6 +34,7 @@ PATHS = {
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
     "fused_exp": "exponentials fused into the S GEMM's tile stores",
+    "fused_exp@bf16": "the same on bf16 (avx512_bf16: P in bf16 into P V's operand)",
     "prepack": "K^T / V panels packed once for every q block and query head",
     "whole_q": "one q block per head on short sequences",
     "fused_bwd": "one backward pass per (batch, kv head) instead of two sweeps",
@@ -40,15 +42,20 @@ WHAT = {
 }
 
 
+def policy_field(name):
+    return name.split("@")[0]
+
+
 def run_path(name, repeats):
     mode, (B, Hq, Hkv, L, D), dtype, causal = PATHS[name]
+    field = policy_field(name)
     q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, mode)
     gqa = Hq != Hkv
     step = make_step(_flashsdpa, q, k, v, causal, gqa, mode)
 
     def with_policy(on):
         def call():
-            with _testing.policy(**({} if on else {name: 0})):
+            with _testing.policy(**({} if on else {field: 0})):
                 step()
         return call
 
@@ -61,7 +68,7 @@ def run_path(name, repeats):
     Lq = 1 if mode == "decode" else L
     return {"path": name, "mode": mode, "shape": [B, Hq, Hkv, Lq, L, D],
             "dtype": str(dtype).replace("torch.", ""), "causal": causal, "tier": chosen["tier"],
-            "plan_takes_it": bool(chosen[name]), "on_ms": on * 1e3, "off_ms": off * 1e3,
+            "plan_takes_it": bool(chosen[field]), "on_ms": on * 1e3, "off_ms": off * 1e3,
             "gain": off / on, "gflops_on": flops(B, Hq, Lq, L, D, causal, mode) / on * 1e-9}
 
 

@@ -199,7 +199,8 @@ def test_bench_paths_runs_every_path(tmp_path):
     from flashsdpa import _C
     tier_paths = {t["name"]: t["paths"] for t in _C.tiers()}
     for r in rows:
-        needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp"}.get(r["path"])
+        needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp"}.get(
+            bench_paths.policy_field(r["path"]))
         assert r["plan_takes_it"] == (needs_trait is None or needs_trait in tier_paths[r["tier"]])
         assert r["on_ms"] > 0 and r["off_ms"] > 0
 

@@ -95,9 +95,8 @@ def test_inference():
 
 def aborted_at_exit(done):
     """A spawned rank can abort while its interpreter exits, in PyTorch's teardown after the
-    run's work and checks are done ("terminate called without an active exception"; 2 of 126
-    runs here, none under PYTHONFAULTHANDLER in 55): that one signature, after complete output,
-    gets one more run; anything else fails at once."""
+    run's work and checks are done ("terminate called without an active exception"): that one
+    signature, after complete output, gets one more run; anything else fails at once."""
     return (done.returncode != 0 and "terminate called without an active exception" in done.stderr
             and "parameters identical on all 2 ranks: True" in done.stdout)
 

@@ -41,7 +41,8 @@ inline __m256i cvt16_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 struct Avx512Bf16Ops : Avx512Ops {
   static constexpr int NR = 32;
   static constexpr int MR = 12;
-  // Avx512Ops' fused exponentials and transposed scores take fp32 operands: off here
+  // Avx512Ops' transposed scores take fp32 operands: off here. The fused exponentials take
+  // this trait's form (gemm_exp_loop: P in bf16 into P V's operand).
   FLASHSDPA_TRAIT_CAPS(Avx512Bf16Ops, /*scale_in_a=*/false, /*prep_a=*/true,
                        /*inner_pack=*/2, /*fused_exp=*/true, /*transposed_s=*/false)
 

@@ -283,9 +283,8 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == kv_begin && !p.sinks;
-        if ((caps<Ops>().scale_in_a || p_in_a) && p.fused_exp && (m_finite || first) &&
-            p.mask_type == MaskType::None && !dropout && p.softcap == 0.0f && !p.alibi &&
-            nk % Ops::NR == 0) {
+        if (p.fused_exp && (m_finite || first) && p.mask_type == MaskType::None && !dropout &&
+            p.softcap == 0.0f && !p.alibi && nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
           float* sv = L.sv;

@@ -227,6 +227,8 @@ template <class Ops>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
                           const RowLimit* lim, float mul, uint16_t* p16, int64_t ldp16) {
+  // the fp32 form takes the scale folded into A (mul unused); the bf16 form applies mul
+  static_assert(caps<Ops>().prep_a || caps<Ops>().scale_in_a, "a form of the fused exponentials");
   constexpr int NR = Ops::NR, MR = Ops::MR;
   constexpr int64_t kAll = int64_t(1) << 40;
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {

@@ -121,14 +121,32 @@ at::Tensor dropout_keep_mask(int64_t seed, int64_t offset, int64_t B, int64_t H,
   return keep;
 }
 
-py::dict decode_raw(const py::dict& raw, bool is_x86) {
+flashsdpa::cpu::CpuFeatures fake_features(const py::dict& raw, bool is_x86) {
   flashsdpa::cpu::RawCpuid r;
   r.max_leaf = 7;  // the words not given are 0, the leaves up to 7 present
 #define FLASHSDPA_GET(f) \
   if (raw.contains(#f)) r.f = decltype(r.f)(raw[#f].cast<uint64_t>());
   FLASHSDPA_RAW_CPUID_FIELDS(FLASHSDPA_GET)
 #undef FLASHSDPA_GET
-  return features_dict(flashsdpa::cpu::decode_features(r, is_x86));
+  return flashsdpa::cpu::decode_features(r, is_x86);
+}
+
+py::dict decode_raw(const py::dict& raw, bool is_x86) {
+  return features_dict(fake_features(raw, is_x86));
+}
+
+// The tier selected_isa would choose on a CPU with these CPUID words (AMX tiles permitted, no
+// cap), for a call of kind `call`: "none", "decode" or "light".
+std::string choose_isa_for(const py::dict& raw, const std::string& dt, bool kv_e4m3,
+                           const std::string& call) {
+  using flashsdpa::cpu::DecodeCall;
+  const DecodeCall c = call == "decode" ? DecodeCall::decode
+                       : call == "light" ? DecodeCall::light
+                       : call == "none"  ? DecodeCall::none
+                                         : throw py::value_error("call: none, decode or light");
+  const auto top = flashsdpa::cpu::Isa(int(flashsdpa::cpu::Isa::kCount) - 1);
+  return flashsdpa::cpu::isa_name(flashsdpa::cpu::choose_isa(
+      fake_features(raw, true), [] { return true; }, parse_dtype(dt), kv_e4m3, c, top, false));
 }
 
 py::dict raw_cpuid() {
@@ -300,6 +318,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::module_ t = m.def_submodule("testing", "test and tuning hooks (flashsdpa._testing)");
   t.def("decode_features", &decode_raw, py::arg("raw"), py::arg("is_x86") = true,
         "decode fake CPUID/XCR0 words");
+  t.def("choose_isa", &choose_isa_for, py::arg("raw"), py::arg("dtype"), py::arg("kv_e4m3"),
+        py::arg("call"), "the tier chosen on a CPU with fake CPUID words");
   t.def("set_emulated_tier",
         &set_tier<&flashsdpa::cpu::set_emulated_tier, &flashsdpa::cpu::clear_emulated_tier>,
         py::arg("name"), "run the SIMDe-emulated build of a tier ('' to stop)");

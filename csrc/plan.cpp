@@ -63,13 +63,15 @@ void choose_blocks(const AttnParams& p, const CpuTier& tier, int bq_max, int for
   pol->bk = int(bk);
 }
 
-// decode: the call takes the split-KV decode path (light ones are the tier choice's one
-// call-dependent condition, isa.cpp).
+// decode: the call takes the split-KV decode path (decode calls, light or not, are the tier
+// choice's call-dependent conditions, isa.cpp).
 KernelPolicy base_policy(const AttnParams& p, bool decode = false) {
   KernelPolicy pol{};
-  const bool light = decode && light_decode(p);
-  pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3, light);
-  pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3, light);
+  using cpu::DecodeCall;
+  const DecodeCall call =
+      !decode ? DecodeCall::none : light_decode(p) ? DecodeCall::light : DecodeCall::decode;
+  pol.isa = cpu::selected_isa(p.dtype, p.kv_e4m3, call);
+  pol.tier = &cpu::selected_tier(p.dtype, p.kv_e4m3, call);
   pol.decode = decode;
   return pol;
 }

@@ -16,6 +16,7 @@ from ._common import swapped
 
 _T = _C.testing
 decode_features = _T.decode_features
+choose_isa = _T.choose_isa  # (raw CPUID words, dtype, kv_e4m3, call): the tier chosen there
 dropout_keep_mask = _T.dropout_keep_mask
 exp2_row_sum = _T.exp2_row_sum
 softcap_row = _T.softcap_row

@@ -12,6 +12,21 @@ import flashsdpa
 from flashsdpa import _C, _testing
 from conftest import make_qkv, reference_sdpa
 
+# ---- fake CPUID / XCR0 words: feature detection and the tier choice on other CPUs --------------
+ECX_FMA, ECX_OSXSAVE, ECX_AVX, ECX_F16C = 1 << 12, 1 << 27, 1 << 28, 1 << 29
+EBX_AVX2, EBX_512F, EBX_512DQ, EBX_512BW, EBX_512VL = 1 << 5, 1 << 16, 1 << 17, 1 << 30, 1 << 31
+ECX_VBMI = 1 << 1  # (leaf 7)
+EDX_AMX_BF16, EDX_AMX_TILE = 1 << 22, 1 << 24
+INTEL, AMD = 0x756e6547, 0x68747541  # vendor_ebx: "Genu", "Auth"
+EAX_512BF16 = 1 << 5
+XCR0_AVX, XCR0_512, XCR0_AMX = 0b110, 0b11100000, (1 << 17) | (1 << 18)
+HASWELL = dict(leaf1_ecx=ECX_FMA | ECX_OSXSAVE | ECX_AVX | ECX_F16C, leaf7_ebx=EBX_AVX2,
+               xcr0=0b111)
+SKX = dict(HASWELL, leaf7_ebx=EBX_AVX2 | EBX_512F | EBX_512DQ | EBX_512BW | EBX_512VL,
+           xcr0=0b111 | XCR0_512)
+SPR = dict(SKX, leaf7_edx=EDX_AMX_BF16 | EDX_AMX_TILE, leaf7_1_eax=EAX_512BF16,
+           xcr0=0b111 | XCR0_512 | XCR0_AMX)
+
 
 def test_enable_disable_enabled_nesting():
     assert not flashsdpa.is_enabled()
@@ -111,12 +126,35 @@ def test_bf16_tier_only_where_its_dot_product_is_fast():
     assert flashsdpa.cpu_isa(torch.float32) != "avx512_bf16"
 
 
-@pytest.mark.parametrize("vendor,slow", [(0x756e6547, True), (0x68747541, False), (0, False)],
+@pytest.mark.parametrize("vendor,slow", [(INTEL, True), (AMD, False), (0, False)],
                          ids=["GenuineIntel", "AuthenticAMD", "unknown"])
 def test_bf16_dot_slow_from_the_vendor(vendor, slow):
     f = _testing.decode_features(dict(SPR, vendor_ebx=vendor))
     assert f["bf16_dot_slow"] == slow
     assert "avx512_bf16" in f["runnable_tiers"]  # still runnable: only the preference changes
+
+
+@pytest.mark.parametrize("vendor", [INTEL, AMD], ids=["GenuineIntel", "AuthenticAMD"])
+def test_decode_calls_on_amx_hosts_follow_the_bf16_dot_rule(vendor):
+    """The amx tier's decode kernels are avx512_bf16's (its tiles take no short queries): where
+    vdpbf16ps is slow (Intel), a decode call over a bf16 or float8 cache takes the avx512 tier
+    as it would without AMX, a bf16 cache's light decode keeps amx, and prefill keeps amx."""
+    raw = dict(SPR, vendor_ebx=vendor, leaf7_ecx=ECX_VBMI)
+    slow = vendor == INTEL
+    assert _testing.choose_isa(raw, "bfloat16", False, "none") == "amx"
+    assert _testing.choose_isa(raw, "bfloat16", False, "light") == "amx"
+    for kv_e4m3 in (False, True):
+        assert _testing.choose_isa(raw, "bfloat16", kv_e4m3, "decode") == (
+            "avx512" if slow else "amx")
+    assert _testing.choose_isa(raw, "bfloat16", True, "light") == ("avx512" if slow else "amx")
+    # the same rule as the avx512_bf16 tier's on a CPU without AMX
+    no_amx = dict(raw, leaf7_edx=0)
+    assert _testing.choose_isa(no_amx, "bfloat16", False, "decode") == (
+        "avx512" if slow else "avx512_bf16")
+    assert _testing.choose_isa(no_amx, "bfloat16", False, "light") == "avx512_bf16"
+    assert _testing.choose_isa(raw, "float32", False, "decode") == "avx512"
+    with pytest.raises(ValueError, match="call"):
+        _testing.choose_isa(raw, "bfloat16", False, "prefill")
 
 
 def _run_python(code, env_extra):
@@ -208,20 +246,6 @@ def test_import_does_not_import_triton():
     res = _run_python("import sys, flashsdpa; print('triton' in sys.modules)", {})
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
-
-
-# ---- feature detection with fake CPUID / XCR0 words ------------------------------------------------
-ECX_FMA, ECX_OSXSAVE, ECX_AVX, ECX_F16C = 1 << 12, 1 << 27, 1 << 28, 1 << 29
-EBX_AVX2, EBX_512F, EBX_512DQ, EBX_512BW, EBX_512VL = 1 << 5, 1 << 16, 1 << 17, 1 << 30, 1 << 31
-EDX_AMX_BF16, EDX_AMX_TILE = 1 << 22, 1 << 24
-EAX_512BF16 = 1 << 5
-XCR0_AVX, XCR0_512, XCR0_AMX = 0b110, 0b11100000, (1 << 17) | (1 << 18)
-HASWELL = dict(leaf1_ecx=ECX_FMA | ECX_OSXSAVE | ECX_AVX | ECX_F16C, leaf7_ebx=EBX_AVX2,
-               xcr0=0b111)
-SKX = dict(HASWELL, leaf7_ebx=EBX_AVX2 | EBX_512F | EBX_512DQ | EBX_512BW | EBX_512VL,
-           xcr0=0b111 | XCR0_512)
-SPR = dict(SKX, leaf7_edx=EDX_AMX_BF16 | EDX_AMX_TILE, leaf7_1_eax=EAX_512BF16,
-           xcr0=0b111 | XCR0_512 | XCR0_AMX)
 
 
 @pytest.mark.parametrize("raw,expected", [

@@ -270,29 +270,37 @@ bool emulated_tier_active(DType dt) {
   return e >= 0 && (!kTiers[e].bf16_only || dt == DType::BF16);
 }
 
-Isa selected_isa(DType dt, bool kv_e4m3, bool light_decode) {
-  if (emulated_tier_active(dt)) return Isa(g_emulated.load());
-  const CpuFeatures& f = host_features();
-  for (int i = int(isa_cap()); i > 0; --i) {
+Isa choose_isa(const CpuFeatures& f, bool (*amx_ok)(), DType dt, bool kv_e4m3, DecodeCall call,
+               Isa cap, bool cap_named) {
+  for (int i = int(cap); i > 0; --i) {
     if (!f.can_run[i] || !tier_supports_dtype(Isa(i), dt)) continue;
-    if (Isa(i) == Isa::amx && !amx_usable()) continue;
+    if (Isa(i) == Isa::amx && !amx_ok()) continue;
     if (kv_e4m3 && (Isa(i) == Isa::avx512_bf16 || Isa(i) == Isa::amx) &&
         !f.has(Feature::avx512_vbmi))
       continue;  // (Avx512Bf16E4m3Ops' byte tables)
-    // A slow vdpbf16ps: the avx512 tier is faster, unless FLASHSDPA_CPU_ISA names this tier or
-    // the call is a bf16 cache's light decode (params.h), where the dot products are few per
-    // byte and pairing keys for vdpbf16ps costs fewer instructions than widening every element.
-    if (Isa(i) == Isa::avx512_bf16 && f.bf16_dot_slow && !(light_decode && !kv_e4m3) &&
-        !(isa_cap_is_set() && isa_cap() == Isa(i)))
+    // A slow vdpbf16ps: the avx512 tier is faster than the bf16 dot products of avx512_bf16, and
+    // of amx on decode calls (its tiles take no short queries: it runs avx512_bf16's decode
+    // kernels), unless FLASHSDPA_CPU_ISA names the tier (cap_named) or the call is a bf16
+    // cache's light decode (params.h), where the dot products are few per byte and pairing keys
+    // for vdpbf16ps costs fewer instructions than widening every element.
+    const bool bf16_dots =
+        Isa(i) == Isa::avx512_bf16 || (Isa(i) == Isa::amx && call != DecodeCall::none);
+    if (bf16_dots && f.bf16_dot_slow && !(call == DecodeCall::light && !kv_e4m3) &&
+        !(cap_named && cap == Isa(i)))
       continue;
     return Isa(i);
   }
   return Isa::portable;
 }
 
-const CpuTier& selected_tier(DType dt, bool kv_e4m3, bool light_decode) {
+Isa selected_isa(DType dt, bool kv_e4m3, DecodeCall call) {
+  if (emulated_tier_active(dt)) return Isa(g_emulated.load());
+  return choose_isa(host_features(), &amx_usable, dt, kv_e4m3, call, isa_cap(), isa_cap_is_set());
+}
+
+const CpuTier& selected_tier(DType dt, bool kv_e4m3, DecodeCall call) {
   if (emulated_tier_active(dt)) return *emulated_tier(Isa(g_emulated.load()));
-  return *built_tier(selected_isa(dt, kv_e4m3, light_decode));
+  return *built_tier(selected_isa(dt, kv_e4m3, call));
 }
 
 }  // namespace cpu

@@ -99,12 +99,21 @@ void clear_isa_cap();  // back to "no cap": the best the host runs
 Isa isa_cap();
 bool isa_cap_is_set();
 
+// What a tier is chosen for: a split-KV decode call (short queries; the amx tier runs
+// avx512_bf16's kernels there), a light one (one or two query rows per kv head), or neither.
+enum class DecodeCall { none, decode, light };
+
 // The tier that runs for dtype dt: the highest built tier <= cap that the host can run and that
 // implements dt (with kv_e4m3, a float8_e4m3fn KV cache: the bf16 tiers read one with
-// AVX512_VBMI byte tables, so they need that too; light_decode: a split-KV decode call with one
-// or two query rows per kv head, see isa.cpp). Never null (portable is always built).
-Isa selected_isa(DType dt, bool kv_e4m3 = false, bool light_decode = false);
-const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false, bool light_decode = false);
+// AVX512_VBMI byte tables, so they need that too), with isa.cpp's preferences for the call.
+// Never null (portable is always built).
+Isa selected_isa(DType dt, bool kv_e4m3 = false, DecodeCall call = DecodeCall::none);
+// selected_isa's rule for CPU features f (amx_ok: whether the process may use AMX tiles, asked
+// only when the amx tier is next in line), tiers up to cap (cap_named: FLASHSDPA_CPU_ISA names
+// it); the tests' view of other CPUs.
+Isa choose_isa(const CpuFeatures& f, bool (*amx_ok)(), DType dt, bool kv_e4m3, DecodeCall call,
+               Isa cap, bool cap_named);
+const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false, DecodeCall call = DecodeCall::none);
 
 // Test hook: run the emulated build of a tier for the dtypes it implements, whatever the CPU;
 // the other dtypes keep the normal choice. Throws if that emulation is not compiled in.

@@ -282,6 +282,17 @@ std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at:
   return {pol, forward_event(pol, p.dtype)};
 }
 
+namespace {
+// The gradient of a (B, H, L, D) input: in the input's own layout where that is dense (a
+// contiguous leaf's .grad then takes it without a copy; a transposed (B, L, H, D) projection's
+// view gets that buffer back), otherwise (B, H, L, D) viewed on a (B, L, H, D) buffer, PyTorch's
+// CPU gradient layout.
+at::Tensor grad_like(const at::Tensor& x) {
+  if (x.is_non_overlapping_and_dense()) return at::empty_like(x, at::MemoryFormat::Preserve);
+  return at::empty_permuted(x.sizes(), {0, 2, 1, 3}, x.options());
+}
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
     const at::Tensor& value, const at::Tensor& out, const at::Tensor& logsumexp,
@@ -313,10 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
   c10::optional<at::Tensor> mask4;
   if (attn_mask.has_value() && attn_mask->defined()) mask4 = mask_4d(*attn_mask, q, k.size(2));
 
-  // PyTorch's CPU gradient layout: (B, H, L, D) viewed on a (B, L, H, D) buffer.
-  at::Tensor dq = at::empty_permuted(q.sizes(), {0, 2, 1, 3}, q.options());
-  at::Tensor dk = at::empty_permuted(k.sizes(), {0, 2, 1, 3}, k.options());
-  at::Tensor dv = at::empty_permuted(v.sizes(), {0, 2, 1, 3}, v.options());
+  at::Tensor dq = grad_like(q), dk = grad_like(k), dv = grad_like(v);
   at::Tensor delta = at::empty({B, Hq, Lq}, q.options().dtype(at::kFloat));
   poison(dq);
   poison(dk);

@@ -68,3 +68,46 @@ def test_strategies_against_reference(tier, restore_strategy, strategy, name):
     with _testing.policy(fused_bwd=int(strategy == "fused")):
         check_forward_backward(q, k, v, torch.bfloat16, f"{tier} {strategy} {name}",
                                **_kwargs(case, L, S, B))
+
+
+def test_gradients_come_back_in_their_inputs_layout():
+    """dq / dk / dv take their input's layout where that is dense: contiguous leaves get them as
+    .grad without a copy (no aten::copy_ in the backward), (B, H, L, D) views of (B, L, H, D)
+    projections get that buffer back; inputs that are not dense (sliced from one packed qkv)
+    get PyTorch's layout, (B, H, L, D) on a (B, L, H, D) buffer. Every layout: the reference's
+    gradients."""
+    B, H, L, D = 2, 3, 40, 16
+    g = torch.Generator().manual_seed(3)
+    grad_out = torch.randn(B, H, L, D, generator=g)
+
+    def grads(q, k, v, leaves):
+        with flashsdpa.enabled():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    def reference(q, k, v):
+        q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), grad_out.double())
+
+    # contiguous leaves: .grad in place, no copy
+    q, k, v = (torch.randn(B, H, L, D, generator=g, requires_grad=True) for _ in range(3))
+    with flashsdpa.enabled(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v).backward(grad_out)
+    assert "aten::copy_" not in {e.name for e in prof.events()}
+    for t, want in zip((q, k, v), reference(q, k, v)):
+        assert t.grad.stride() == t.stride()
+        torch.testing.assert_close(t.grad.double(), want, atol=1e-5, rtol=1e-5)
+    # views of (B, L, H, D) projections: their gradients on such a buffer
+    x = [torch.randn(B, L, H, D, generator=g, requires_grad=True) for _ in range(3)]
+    views = [t.transpose(1, 2) for t in x]
+    for d, want in zip(grads(*views, views), reference(*views)):
+        assert d.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(d.double(), want, atol=1e-5, rtol=1e-5)
+    # packed qkv (not dense): PyTorch's layout
+    qkv = torch.randn(B, L, 3, H, D, generator=g, requires_grad=True)
+    q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+    for d, want in zip(grads(q, k, v, (q, k, v)), reference(q, k, v)):
+        assert d.transpose(1, 2).is_contiguous()
+        torch.testing.assert_close(d.double(), want, atol=1e-5, rtol=1e-5)

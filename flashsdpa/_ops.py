@@ -59,7 +59,20 @@ def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 def _bwd_fake(grad_out, query, key, value, out, logsumexp, rng_state, attn_mask=None,
               dropout_p=0.0, is_causal=False, *, scale=None, window_left=-1, window_right=-1,
               bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None, softmax_stats=None):
-    def grad_like(t):
+    def dense(t):  # c10's is_non_overlapping_and_dense: strides a permutation of contiguous
+        expected = 1
+        for d in sorted(range(t.dim()), key=lambda d: t.stride(d)):
+            if t.shape[d] != 1:
+                if t.stride(d) != expected:
+                    return False
+                expected *= t.shape[d]
+        return True
+
+    def grad_like(t):  # ops.cpp's: the input's layout where dense, else (B, L, H, D) buffers
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            t = t.contiguous()  # (as the kernel reads it)
+        if dense(t):
+            return torch.empty_like(t, memory_format=torch.preserve_format)
         return torch.empty_permuted(t.shape, (0, 2, 1, 3), dtype=t.dtype, device=t.device)
 
     dsinks = query.new_empty((query.shape[1] if sinks is not None else 0,), dtype=torch.float32)

@@ -18,6 +18,7 @@ sys.path.insert(0, HERE)
 from bench_sdpa import (OUT_DIR, Progress, flops, geomean, host_meta,  # noqa: E402
                         make_inputs, make_step, parse_names, save_json, time_case, _flashsdpa)
 
+import flashsdpa  # noqa: E402
 from flashsdpa import _testing  # noqa: E402
 
 # name (the policy field forced off: the name up to a "@", which names a second case) -> the
@@ -30,6 +31,7 @@ PATHS = {
     "whole_q": ("fwd", (8, 12, 12, 256, 64), torch.float32, True),
     "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
+    "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
 }
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
@@ -39,6 +41,7 @@ WHAT = {
     "whole_q": "one q block per head on short sequences",
     "fused_bwd": "one backward pass per (batch, kv head) instead of two sweeps",
     "decode": "split-KV decode for short queries",
+    "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
 }
 
 
@@ -46,12 +49,33 @@ def policy_field(name):
     return name.split("@")[0]
 
 
+def fp8_decode_step(B, Hq, Hkv, L, D, dtype):
+    """One decode query over a float8_e4m3fn cache (flash_attn_with_kvcache, per-kv-head scales)
+    quantised from make_inputs' keys and values."""
+    q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, "decode")
+    q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D), the caches (B, L, Hkv, D)
+    caches, scales = [], []
+    for x in (k, v):
+        x = x.transpose(1, 2).float()
+        scale = x.abs().amax(dim=(0, 1, 3)) / 448
+        caches.append((x / scale.view(-1, 1)).to(torch.float8_e4m3fn).contiguous())
+        scales.append(scale)
+    seqlens = torch.full((B,), L, dtype=torch.int32)
+
+    def step():
+        flashsdpa.flash_attn_with_kvcache(q, caches[0], caches[1], cache_seqlens=seqlens,
+                                          k_scale=scales[0], v_scale=scales[1])
+    return step
+
+
 def run_path(name, repeats):
     mode, (B, Hq, Hkv, L, D), dtype, causal = PATHS[name]
     field = policy_field(name)
-    q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, mode)
-    gqa = Hq != Hkv
-    step = make_step(_flashsdpa, q, k, v, causal, gqa, mode)
+    if mode == "decode-fp8":
+        step = fp8_decode_step(B, Hq, Hkv, L, D, dtype)
+    else:
+        q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, mode)
+        step = make_step(_flashsdpa, q, k, v, causal, Hq != Hkv, mode)
 
     def with_policy(on):
         def call():
@@ -65,7 +89,7 @@ def run_path(name, repeats):
     samples = time_case({"on": with_policy(True), "off": with_policy(False)}, repeats,
                         alternate=True)
     on, off = (statistics.median(samples[k]) for k in ("on", "off"))
-    Lq = 1 if mode == "decode" else L
+    Lq = 1 if mode.startswith("decode") else L
     return {"path": name, "mode": mode, "shape": [B, Hq, Hkv, Lq, L, D],
             "dtype": str(dtype).replace("torch.", ""), "causal": causal, "tier": chosen["tier"],
             "plan_takes_it": bool(chosen[field]), "on_ms": on * 1e3, "off_ms": off * 1e3,

@@ -134,6 +134,9 @@ struct AttnParams {
   // Forward: the S GEMM may fuse the softmax's exponentials into its tile stores on the blocks
   // where that is exact (traits with fused_exp; plan.cpp decides).
   bool fused_exp;
+  // Decode over a float8_e4m3fn cache with bf16 / fp16 queries: P V in fp16 (the tier's
+  // DecodeOpsOf<..>::fp16_pv trait; plan.cpp decides).
+  bool fp16_pv;
 
   // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
   struct PathCounters* counters;
@@ -149,6 +152,7 @@ struct AttnParams {
   X(bwd_tiles)              /* backward (q block, kv block) score tiles computed */          \
   X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
+  X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
@@ -234,6 +238,7 @@ struct CpuTier {
   // sizes are multiples of them), the default q blocks, and the trait's optional paths.
   int mr, nr, block_q, block_q_bwd;
   bool fused_exp, transposed_s;
+  bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
   // until end: dynamic scheduling).

@@ -198,10 +198,12 @@ def test_bench_paths_runs_every_path(tmp_path):
     assert [r["path"] for r in rows] == list(bench_paths.PATHS)
     from flashsdpa import _C
     tier_paths = {t["name"]: t["paths"] for t in _C.tiers()}
+    cpu_has = {"fp16_pv": _C.cpu_features()["avx512_fp16"]}  # (paths needing more than the tier)
     for r in rows:
-        needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp"}.get(
-            bench_paths.policy_field(r["path"]))
-        assert r["plan_takes_it"] == (needs_trait is None or needs_trait in tier_paths[r["tier"]])
+        field = bench_paths.policy_field(r["path"])
+        needs_trait = field if field in ("transposed", "fused_exp", "fp16_pv") else None
+        assert r["plan_takes_it"] == (needs_trait is None or (
+            needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True)))
         assert r["on_ms"] > 0 and r["off_ms"] > 0
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import flashsdpa
-from flashsdpa import _testing
+from flashsdpa import _C, _testing
 from conftest import DTYPE_IDS, assert_within_rule
 from test_variants import assert_kernel_ran, reference
 
@@ -292,6 +292,45 @@ def test_kvcache_e4m3_against_reference(tier, variant, layout, lq, dtype):
         assert_kernel_ran(counts, tier, dtype)
         assert (counts()["decode_blocks"] > 0) == (lq <= 16)
     assert_out_lse(out, lse, base, want, want_lse, dtype, f"{tier} e4m3 {variant} {layout} lq={lq}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("shape", [(32, 8, 1, 128, 128), (12, 2, 1, 64, 200), (4, 4, 2, 96, 72)],
+                         ids=["gqa4-d128", "gqa6-dv200", "mha-lq2-dv72"])
+def test_kvcache_e4m3_pv_in_fp16(tier, shape, dtype):
+    """bf16 / fp16 queries over a float8 cache: P V in fp16 (AVX512-FP16; counted) where the plan
+    takes it, the fp32 P V otherwise (forced off, fp32 queries, tiers or CPUs without it): both
+    within the error rule of the fp64 reference over the dequantised cache. Long caches (runs of
+    16 keys, chunks of 256, ragged ends), groups of 1 to 6 rows, every dims pass (128, 64, the
+    rest)."""
+    Hq, Hkv, lq, D, Dv = shape
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, lq, Hq, D, generator=g).to(dtype)
+    kc, vc = torch.randn(2, 1100, Hkv, D, generator=g), torch.randn(2, 1100, Hkv, Dv, generator=g)
+    ks, vs = (c.abs().amax(dim=(0, 1, 3)) / 448 for c in (kc, vc))
+    k8, v8 = quantize(kc, ks), quantize(vc, vs)
+    kd, vd = dequantize(k8, ks), dequantize(v8, vs)
+    lens = [1100, 701]
+    want, base = [], []
+    for b, n in enumerate(lens):
+        args = (q[b:b + 1].transpose(1, 2), kd[b:b + 1, :n].transpose(1, 2),
+                vd[b:b + 1, :n].transpose(1, 2))
+        want.append(reference(*args, dtype=torch.float64)[0].transpose(1, 2))
+        base.append(reference(*(a.to(dtype) for a in args), dtype=dtype)[0].transpose(1, 2))
+    want, base = torch.cat(want), torch.cat(base)
+    for on in (1, 0):
+        with _testing.policy(fp16_pv=on), _testing.counting() as counts:
+            out = flashsdpa.flash_attn_with_kvcache(
+                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32), k_scale=ks,
+                v_scale=vs)
+            assert_kernel_ran(counts, tier, dtype)
+            ran = counts()["decode_fp16_pv_blocks"] > 0
+            assert ran == _testing.last_policy()["fp16_pv"]
+        if dtype == torch.float32 or not on:
+            assert not ran
+        elif tier == "avx512" and _C.cpu_features()["avx512_fp16"]:
+            assert ran, "the plan did not take P V in fp16 where it should"
+        assert_within_rule(out, base, want, dtype, f"{tier} {shape} fp16_pv={on} (ran: {ran})")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)

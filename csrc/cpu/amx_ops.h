@@ -131,9 +131,7 @@ struct AmxOps : Avx512Bf16Ops {
 };
 
 template <class KV>
-struct DecodeOpsOf<AmxOps, KV> {  // short queries do not fill tiles
-  using type = typename DecodeOpsOf<Avx512Bf16Ops, KV>::type;
-};
+struct DecodeOpsOf<AmxOps, KV> : DecodeOpsOf<Avx512Bf16Ops, KV> {};  // short queries fill no tiles
 
 }  // namespace FLASHSDPA_TIER_NS
 }  // namespace cpu

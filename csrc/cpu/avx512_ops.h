@@ -22,14 +22,17 @@ inline __m512 load16(const bf16_t* p) {
 inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-// e4m3 bytes -> the fp16 bits of the values x 2^-8 (load8(const e4m3_t*)'s steps), on up to
-// 32 words at once.
-inline __m512i e4m3_fp16_bits(__m256i b) {
-  const __m512i w = _mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8);
+// 32 words, an e4m3 byte in each one's high half -> the fp16 bits of the values x 2^-8
+// (load8(const e4m3_t*)'s steps).
+inline __m512i e4m3_fp16_from_high(__m512i w) {
   const __m512i x = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
   const __m512i t = _mm512_add_epi16(x, _mm512_set1_epi16(0x80));
   // x | (t & 0x4000): vpternlog's truth table for A | (B & C)
   return _mm512_ternarylogic_epi32(x, t, _mm512_set1_epi16(0x4000), 0xF8);
+}
+// 32 e4m3 bytes -> the fp16 bits of the values x 2^-8, in order.
+inline __m512i e4m3_fp16_bits(__m256i b) {
+  return e4m3_fp16_from_high(_mm512_slli_epi16(_mm512_cvtepu8_epi16(b), 8));
 }
 // 16 e4m3 bytes -> the values x 2^-8.
 inline __m512 e4m3_widen16(__m128i b) {
@@ -403,6 +406,131 @@ struct Avx512Ops : Avx2Ops {
   }
 
 };
+
+#if !defined(FLASHSDPA_EMULATE)  // (SIMDe has no AVX512-FP16: the emulated tiers keep fp32 P V)
+#pragma GCC push_options
+#pragma GCC target("avx512fp16")
+// P V over float8_e4m3fn V in fp16 (AVX512-FP16), for bf16 / fp16 queries (plan.cpp). Each byte
+// becomes the fp16 of its value x 2^-8 (e4m3_fp16_from_high: exact, NaN bytes NaN), P is rounded
+// to fp16, and the products accumulate 32 to a vector in fp16 over runs of kRun keys, each run's
+// sums then added into the fp32 accumulators: 32 lanes an FMA and no widening to fp32, where
+// Avx512Ops::decode_pv has 16 and two conversions a vector. V's values (x 2^-8) are at most 1.75
+// and P at most 1, so a run's sums stay far inside fp16's range, and its rounding (2^-11 of a
+// product or a sum) is finer than the bf16 P of the bf16 tiers' decode. AVX512-FP16 is not
+// part of the tier's flags: this trait alone is compiled for it, and the plan takes it only
+// where the CPU has it.
+struct Avx512Fp16PvOps : Avx512Ops {
+  FLASHSDPA_TRAIT_CAPS(Avx512Fp16PvOps, /*scale_in_a=*/true, /*prep_a=*/false,
+                       /*inner_pack=*/1, /*fused_exp=*/false, /*transposed_s=*/false)
+  static constexpr int kRun = 16;    // keys summed in fp16 before the fp32 accumulators
+  static constexpr int kChunk = 256; // keys whose P is rounded to fp16 at a time
+
+  // 64 bytes (n < 64: the first n, the rest 0) -> fp16 of dims {0-7, 16-23, 32-39, 48-55} (x0)
+  // and {8-15, 24-31, 40-47, 56-63} (x1): unpacking 0 below each byte puts it in a word's high
+  // half, and keeps the bytes in their 128-bit lanes (add_run puts the dims back in order).
+  static inline void widen64(const e4m3_t* p, int n, __m512h* x0, __m512h* x1) {
+    const __m512i raw = n >= 64 ? _mm512_loadu_si512(p)
+                                : _mm512_maskz_loadu_epi8((1ull << n) - 1, p);
+    const __m512i z = _mm512_setzero_si512();
+    *x0 = _mm512_castsi512_ph(e4m3_fp16_from_high(_mm512_unpacklo_epi8(z, raw)));
+    *x1 = _mm512_castsi512_ph(e4m3_fp16_from_high(_mm512_unpackhi_epi8(z, raw)));
+  }
+  // a[0 .. n) += a run's sums of 64 dims in widen64's order (n < 64: the lanes past n untouched)
+  static inline void add_run(float* a, int n, __m512h s0, __m512h s1) {
+    const __m512i b0 = _mm512_castph_si512(s0), b1 = _mm512_castph_si512(s1);
+    const __m512 lo0 = _mm512_cvtph_ps(_mm512_castsi512_si256(b0));   // dims 0-7, 16-23
+    const __m512 hi0 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b0, 1));  // 32-39, 48-55
+    const __m512 lo1 = _mm512_cvtph_ps(_mm512_castsi512_si256(b1));   // 8-15, 24-31
+    const __m512 hi1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b1, 1));  // 40-47, 56-63
+    const __m512 d[4] = {_mm512_shuffle_f32x4(lo0, lo1, 0x44), _mm512_shuffle_f32x4(lo0, lo1, 0xEE),
+                         _mm512_shuffle_f32x4(hi0, hi1, 0x44), _mm512_shuffle_f32x4(hi0, hi1, 0xEE)};
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      const int left = n - 16 * u;
+      if (left <= 0) break;
+      const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : tail_mask16(left);
+      _mm512_mask_storeu_ps(a + 16 * u, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + 16 * u), d[u]));
+    }
+  }
+
+  // acc[r][d0 .. d0 + n) += sum_j ph[r][j] v_j for R rows, C chunks of 64 dims (n > 64 (C - 1)).
+  template <int R, int C>
+  static inline void pv_pass(const e4m3_t* v, int64_t ldv, int nk, const _Float16* ph,
+                             float* acc, int ldacc, int d0, int n, bool prefetch,
+                             const DecodePrefetch& pf) {
+    prefetch = prefetch && prefetches_at<e4m3_t>(pf, d0);
+    for (int j0 = 0; j0 < nk; j0 += kRun) {
+      const int j1 = nk - j0 < kRun ? nk : j0 + kRun;
+      __m512h c[R][2 * C];
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int u = 0; u < 2 * C; ++u) c[r][u] = _mm512_setzero_ph();
+      for (int j = j0; j < j1; ++j) {
+        const e4m3_t* vj = v + int64_t(j) * ldv + d0;
+        if (prefetch) prefetch_row(vj, n, pf);
+        __m512h x[2 * C];
+#pragma GCC unroll 2
+        for (int h = 0; h < C; ++h) {
+          const int left = n - 64 * h;
+          widen64(vj + 64 * h, left < 64 ? left : 64, &x[2 * h], &x[2 * h + 1]);
+        }
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+          const __m512h pj = _mm512_set1_ph(ph[r * kChunk + j]);
+#pragma GCC unroll 4
+          for (int u = 0; u < 2 * C; ++u) c[r][u] = _mm512_fmadd_ph(pj, x[u], c[r][u]);
+        }
+      }
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+        for (int h = 0; h < C; ++h)
+          add_run(acc + int64_t(r) * ldacc + d0 + 64 * h, n - 64 * h, c[r][2 * h], c[r][2 * h + 1]);
+    }
+  }
+
+  // Rows in groups of up to 6, keys in chunks of kChunk (P rounded to fp16 first), dims in
+  // passes of 128 (up to four rows) or 64, the last one shorter.
+  static void decode_pv(const e4m3_t* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
+                        int M, float* acc, int ldacc, const DecodePrefetch& pf) {
+    alignas(64) _Float16 ph[6 * kChunk];
+    for (int r = 0; r < M; r += 6) {
+      const int rows = M - r < 6 ? M - r : 6;
+      for (int k0 = 0; k0 < nk; k0 += kChunk) {
+        const int kn = nk - k0 < kChunk ? nk - k0 : kChunk;
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < kn; j += 16) {
+            const __mmask16 k = kn - j >= 16 ? __mmask16(0xFFFF) : tail_mask16(kn - j);
+            const __m512 pv = _mm512_maskz_loadu_ps(k, p + int64_t(r + i) * ldp + k0 + j);
+            _mm256_mask_storeu_epi16(ph + i * kChunk + j, k,
+                                     _mm256_castph_si256(_mm512_cvtxps_ph(pv)));
+          }
+        const e4m3_t* vk = v + int64_t(k0) * ldv;
+        float* ar = acc + int64_t(r) * ldacc;
+        const bool first = r == 0;
+        with_rows<6>(rows, [&](auto R) {
+          constexpr int kR = decltype(R)::value, C = kR <= 4 ? 2 : 1;
+          int d0 = 0;
+          for (; d0 + 64 * C <= Dv; d0 += 64 * C)
+            pv_pass<kR, C>(vk, ldv, kn, ph, ar, ldacc, d0, 64 * C, first, pf);
+          for (; d0 < Dv; d0 += 64)
+            pv_pass<kR, 1>(vk, ldv, kn, ph, ar, ldacc, d0, Dv - d0 < 64 ? Dv - d0 : 64, first, pf);
+        });
+      }
+    }
+  }
+};
+#pragma GCC pop_options
+
+// Over an e4m3 cache with bf16 / fp16 queries, where the plan allows (plan.cpp): P V in fp16.
+template <class KV>
+struct DecodeOpsOf<Avx512Ops, KV> {
+  using type = Avx512Ops;
+  using fp16_pv = typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Fp16PvOps,
+                                            Avx512Ops>::type;
+};
+#endif
 
 }  // namespace FLASHSDPA_TIER_NS
 }  // namespace cpu

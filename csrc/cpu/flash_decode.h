@@ -10,7 +10,8 @@
 //         m* = max_s m_s;  l = sum_s 2^(m_s - m*) l_s;  out = sum_s 2^(m_s - m*) acc_s / l
 //   * K and V rows are read in place (any row stride: a padded cache view is never copied; a
 //     paged cache a run of keys within one page at a time),
-//     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv.
+//     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv
+//     (float8 V, where the plan says so, in fp16: the fp16_pv trait of DecodeOpsOf).
 //     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
 //     what its widening leaves out) go where the softmax scale goes for K (the query rows, or
 //     the scores of traits that keep Q unscaled) and into the partials for V, all linear, so
@@ -28,6 +29,7 @@ namespace FLASHSDPA_TIER_NS {
 template <class TierOps, class T, class KV = T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps, KV>::type;
+  using Fp16PvOps = typename DecodeOpsOf<TierOps, KV>::fp16_pv;  // where p.fp16_pv
   static constexpr int kMaxBlock = 1024 / int(sizeof(KV));  // keys per block, at most
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
@@ -207,9 +209,16 @@ struct FlashDecode {
     return 1.0f;
   }
 
+  static void run_split(const AttnParams& p, int64_t item, float* scratch) {
+    if constexpr (!std::is_same<Fp16PvOps, Ops>::value)
+      if (p.fp16_pv) return split<Fp16PvOps>(p, item, scratch);
+    split<Ops>(p, item, scratch);
+  }
+
   // Row r of the folded block of kv head hk: query head h = hk * group + r / Lq, query row
   // i = r % Lq. An item covers kv heads [hk0, hk0 + nh), their rows one block after another.
-  static void run_split(const AttnParams& p, int64_t item, float* scratch) {
+  template <class O>
+  static void split(const AttnParams& p, int64_t item, float* scratch) {
     const Layout L(p, scratch);
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv, nb = block_keys(p);
     const int nh = int(heads_per_item(p));
@@ -224,12 +233,12 @@ struct FlashDecode {
     float q_mul[kMaxItemHeads], s_mul[kMaxItemHeads];
     for (int e = 0; e < nh; ++e) {
       const float mul = p.scale * kLog2e * kv_factor(p.k_scale, p.k_scale_sh, hk0 + e);
-      q_mul[e] = caps<Ops>().scale_in_a ? mul : 1.0f;
-      s_mul[e] = caps<Ops>().scale_in_a ? 1.0f : mul;
+      q_mul[e] = caps<O>().scale_in_a ? mul : 1.0f;
+      s_mul[e] = caps<O>().scale_in_a ? 1.0f : mul;
     }
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
-      Ops::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
+      O::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
                           q_mul[r / M]);
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
@@ -240,6 +249,7 @@ struct FlashDecode {
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
       const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
+      if (!std::is_same<O, Ops>::value) count_path(p, &PathCounters::decode_fp16_pv_blocks, 1);
       if (gather) {
         count_path(p, &PathCounters::decode_gathered_blocks, 1);
         gather_rows(p, ks, b, hk0, j0, nk, p.D, L.kv);
@@ -250,12 +260,12 @@ struct FlashDecode {
         float* s = L.s + e * M * L.lds;
         const float* q = L.q + e * M * L.ldq;
         if (gather)
-          Ops::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
+          O::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
                          int(M), s, L.lds, DecodePrefetch{});
         else
           block_runs(p, ks, b, hk, j0, nk, ahead(p, false), prefetch_every(p, false),
                      [&](int64_t a, const KV* k, int n, const DecodePrefetch& pf) {
-                       Ops::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
+                       O::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
                                       L.lds, pf);
                      });
         any[e] = false;
@@ -268,7 +278,7 @@ struct FlashDecode {
           }
           RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
           rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
-          any[e] |= online_softmax_row<Ops>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
+          any[e] |= online_softmax_row<O>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
                                             L.acc + er * L.ldacc, int(p.Dv));
         }
         any_head |= any[e];
@@ -280,12 +290,12 @@ struct FlashDecode {
         const float* pe = L.s + e * M * L.lds;
         float* acc = L.acc + e * M * L.ldacc;
         if (gather)
-          Ops::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
+          O::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
                          int(M), acc, L.ldacc, DecodePrefetch{});
         else
           block_runs(p, vs, b, hk0 + e, j0, nk, ahead(p, true), prefetch_every(p, true),
                      [&](int64_t a, const KV* v, int n, const DecodePrefetch& pf) {
-                       Ops::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
+                       O::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
                                       acc, L.ldacc, pf);
                      });
       }

@@ -315,11 +315,14 @@ struct DecodePrefetch {
   int every = 64;
 };
 
-// The trait the decode path uses over K / V of storage type KV (a tier whose operand format
-// does not suit the short-query kernels specialises this to an fp32 trait).
+// The traits the decode path uses over K / V of storage type KV (a tier whose operand format
+// does not suit the short-query kernels specialises this to an fp32 trait): `type`, and
+// `fp16_pv`, the one running P V over float8 V in fp16 where the plan allows it
+// (KernelPolicy::fp16_pv; `type` again where a tier has no such kernel).
 template <class Ops, class KV>
 struct DecodeOpsOf {
   using type = Ops;
+  using fp16_pv = Ops;
 };
 
 struct GenericOps {

@@ -27,8 +27,11 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   using Impl = FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS>;
   using Ops = FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS;
   constexpr auto caps = FLASHSDPA_TIER_NS::caps<Ops>();
+  using E4m3 = FLASHSDPA_TIER_NS::DecodeOpsOf<Ops, FLASHSDPA_TIER_NS::e4m3_t>;
+  constexpr bool fp16_pv = !std::is_same<E4m3::fp16_pv, E4m3::type>::value;
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
-                            Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s, &Impl::plan,
+                            Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s, fp16_pv,
+                            &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
                             &Ops::Row::softcap_row};
   return &tier;

@@ -442,14 +442,16 @@ struct Avx512Fp16PvOps : Avx512Ops {
     const __m512 hi0 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b0, 1));  // 32-39, 48-55
     const __m512 lo1 = _mm512_cvtph_ps(_mm512_castsi512_si256(b1));   // 8-15, 24-31
     const __m512 hi1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(b1, 1));  // 40-47, 56-63
-    const __m512 d[4] = {_mm512_shuffle_f32x4(lo0, lo1, 0x44), _mm512_shuffle_f32x4(lo0, lo1, 0xEE),
-                         _mm512_shuffle_f32x4(hi0, hi1, 0x44), _mm512_shuffle_f32x4(hi0, hi1, 0xEE)};
+    const __m512 d[4] = {
+        _mm512_shuffle_f32x4(lo0, lo1, 0x44), _mm512_shuffle_f32x4(lo0, lo1, 0xEE),  // 0-31
+        _mm512_shuffle_f32x4(hi0, hi1, 0x44), _mm512_shuffle_f32x4(hi0, hi1, 0xEE)};  // 32-63
 #pragma GCC unroll 4
     for (int u = 0; u < 4; ++u) {
       const int left = n - 16 * u;
       if (left <= 0) break;
       const __mmask16 k = left >= 16 ? __mmask16(0xFFFF) : tail_mask16(left);
-      _mm512_mask_storeu_ps(a + 16 * u, k, _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + 16 * u), d[u]));
+      const __m512 sum = _mm512_add_ps(_mm512_maskz_loadu_ps(k, a + 16 * u), d[u]);
+      _mm512_mask_storeu_ps(a + 16 * u, k, sum);
     }
   }
 

@@ -239,7 +239,7 @@ struct FlashDecode {
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
       O::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
-                          q_mul[r / M]);
+                        q_mul[r / M]);
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
@@ -261,12 +261,12 @@ struct FlashDecode {
         const float* q = L.q + e * M * L.ldq;
         if (gather)
           O::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
-                         int(M), s, L.lds, DecodePrefetch{});
+                       int(M), s, L.lds, DecodePrefetch{});
         else
           block_runs(p, ks, b, hk, j0, nk, ahead(p, false), prefetch_every(p, false),
                      [&](int64_t a, const KV* k, int n, const DecodePrefetch& pf) {
                        O::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
-                                      L.lds, pf);
+                                    L.lds, pf);
                      });
         any[e] = false;
         for (int64_t r = 0; r < M; ++r) {
@@ -279,7 +279,7 @@ struct FlashDecode {
           RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
           rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
           any[e] |= online_softmax_row<O>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
-                                            L.acc + er * L.ldacc, int(p.Dv));
+                                          L.acc + er * L.ldacc, int(p.Dv));
         }
         any_head |= any[e];
       }
@@ -291,12 +291,12 @@ struct FlashDecode {
         float* acc = L.acc + e * M * L.ldacc;
         if (gather)
           O::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
-                         int(M), acc, L.ldacc, DecodePrefetch{});
+                       int(M), acc, L.ldacc, DecodePrefetch{});
         else
           block_runs(p, vs, b, hk0 + e, j0, nk, ahead(p, true), prefetch_every(p, true),
                      [&](int64_t a, const KV* v, int n, const DecodePrefetch& pf) {
                        O::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
-                                      acc, L.ldacc, pf);
+                                    acc, L.ldacc, pf);
                      });
       }
     }

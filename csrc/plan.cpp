@@ -91,9 +91,10 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
                    p.k_sl <= INT32_MAX &&  // K's row stride is the GEMM's int lda
                    choose(o.transposed, true);
   pol.fused_exp = tier.fused_exp && choose(o.fused_exp, true);
-  // (fp32 queries keep P V in fp32: fp16 products would fall short of their accuracy)
+  // (fp32 queries keep P V in fp32: fp16 products would fall short of their accuracy; emulated
+  // tiers have no such kernel: tier.fp16_pv is false there)
   pol.fp16_pv = pol.decode && p.kv_e4m3 && p.dtype != DType::F32 && tier.fp16_pv &&
-                cpu::fp16_pv_usable(p.dtype) && choose(o.fp16_pv, true);
+                cpu::host_features().has(cpu::Feature::avx512_fp16) && choose(o.fp16_pv, true);
   choose_blocks(p, tier, tier.block_q, o.fwd_bq, o.fwd_bk, &pol);
   pol.whole_q = o.fwd_bq == 0 &&
                 choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);

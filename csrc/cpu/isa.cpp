@@ -293,10 +293,6 @@ Isa choose_isa(const CpuFeatures& f, bool (*amx_ok)(), DType dt, bool kv_e4m3, D
   return Isa::portable;
 }
 
-bool fp16_pv_usable(DType dt) {
-  return !emulated_tier_active(dt) && host_features().has(Feature::avx512_fp16);
-}
-
 Isa selected_isa(DType dt, bool kv_e4m3, DecodeCall call) {
   if (emulated_tier_active(dt)) return Isa(g_emulated.load());
   return choose_isa(host_features(), &amx_usable, dt, kv_e4m3, call, isa_cap(), isa_cap_is_set());

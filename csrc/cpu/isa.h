@@ -115,10 +115,6 @@ Isa choose_isa(const CpuFeatures& f, bool (*amx_ok)(), DType dt, bool kv_e4m3, D
                Isa cap, bool cap_named);
 const CpuTier& selected_tier(DType dt, bool kv_e4m3 = false, DecodeCall call = DecodeCall::none);
 
-// Whether the tier running dt can take its AVX512-FP16 kernels (the host has AVX512-FP16 and the
-// tier is not an emulated build, which has none).
-bool fp16_pv_usable(DType dt);
-
 // Test hook: run the emulated build of a tier for the dtypes it implements, whatever the CPU;
 // the other dtypes keep the normal choice. Throws if that emulation is not compiled in.
 // clear_emulated_tier() ends it.

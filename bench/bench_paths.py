@@ -25,21 +25,25 @@ from flashsdpa import _testing  # noqa: E402
 # case it was made for: (mode, (B, Hq, Hkv, L, D), dtype, causal); and what the path does.
 PATHS = {
     "transposed": ("fwd", (1, 16, 16, 1024, 64), torch.float32, False),
+    "transposed@causal": ("fwd", (1, 16, 16, 1024, 64), torch.float32, True),
     "fused_exp": ("fwd", (1, 16, 16, 1024, 64), torch.float32, True),
     "fused_exp@bf16": ("fwd", (1, 16, 16, 1024, 64), torch.bfloat16, True),
     "prepack": ("fwd", (1, 16, 4, 1024, 128), torch.bfloat16, True),
     "whole_q": ("fwd", (8, 12, 12, 256, 64), torch.float32, True),
     "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
+    "fused_rows": ("train", (1, 16, 16, 1024, 64), torch.float32, True),
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
     "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
 }
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
+    "transposed@causal": "the same under a causal band (its tiles cut as the row path's)",
     "fused_exp": "exponentials fused into the S GEMM's tile stores",
     "fused_exp@bf16": "the same on bf16 (avx512_bf16: P in bf16 into P V's operand)",
     "prepack": "K^T / V panels packed once for every q block and query head",
     "whole_q": "one q block per head on short sequences",
     "fused_bwd": "one backward pass per (batch, kv head) instead of two sweeps",
+    "fused_rows": "backward: P and dS made per S / dP GEMM tile while it is in L1",
     "decode": "split-KV decode for short queries",
     "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
 }

@@ -164,6 +164,7 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
   for (int64_t s = 0; s < n; ++s) {
     seg[s].bq = pol.bq, seg[s].bk = pol.bk;
     seg[s].fused_exp = pol.fused_exp;
+    seg[s].fused_rows = pol.fused_rows;
     seg[s].fp16_pv = pol.fp16_pv;
     seg[s].counters = path_counters();
   }

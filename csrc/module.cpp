@@ -92,6 +92,7 @@ py::list tiers_list() {
     if (const flashsdpa::CpuTier* built = flashsdpa::cpu::built_tier(isa)) {
       if (built->fused_exp) paths.append("fused_exp");
       if (built->transposed_s) paths.append("transposed");
+      if (built->fused_bwd_rows) paths.append("fused_bwd_rows");
       if (built->fp16_pv) paths.append("fp16_pv");
     }
     t["paths"] = paths;
@@ -161,8 +162,8 @@ py::dict raw_cpuid() {
 
 // The policy override as a dict and back (field names as in plan.h).
 #define FLASHSDPA_POLICY_FIELDS(X) \
-  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fp16_pv) X(fwd_bq) \
-  X(fwd_bk) X(bwd_bq) X(bwd_bk)
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
+  X(fp16_pv) X(fwd_bq) X(fwd_bk) X(bwd_bq) X(bwd_bk)
 
 py::dict policy_dict(const flashsdpa::PolicyOverride& o) {
   py::dict d;

@@ -134,6 +134,9 @@ struct AttnParams {
   // Forward: the S GEMM may fuse the softmax's exponentials into its tile stores on the blocks
   // where that is exact (traits with fused_exp; plan.cpp decides).
   bool fused_exp;
+  // Backward: P and dS may be made tile by tile from the S and dP GEMMs' stores (tiers with
+  // fused_bwd_rows; plan.cpp decides).
+  bool fused_rows;
   // Decode over a float8_e4m3fn cache with bf16 / fp16 queries: P V in fp16 (the tier's
   // DecodeOpsOf<..>::fp16_pv trait; plan.cpp decides).
   bool fp16_pv;
@@ -150,6 +153,7 @@ struct AttnParams {
   X(fused_exp_band_blocks)  /* ... of them, blocks a band's edge crosses (causal, window) */  \
   X(fwd_tiles)              /* forward (q block, kv block) score tiles computed */           \
   X(bwd_tiles)              /* backward (q block, kv block) score tiles computed */          \
+  X(bwd_fused_tiles)        /* of those, P and dS made per GEMM tile (fused_bwd_rows) */      \
   X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
   X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
@@ -238,6 +242,7 @@ struct CpuTier {
   // sizes are multiples of them), the default q blocks, and the trait's optional paths.
   int mr, nr, block_q, block_q_bwd;
   bool fused_exp, transposed_s;
+  bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (fp32 operands)
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)

@@ -38,6 +38,14 @@ constexpr int64_t kDecodeMaxLq = 16;
 // same sum in the same order whichever block holds it.
 constexpr int64_t kWholeQMaxLq = 512;
 
+// The transposed-score path pays on q blocks of up to 256 rows: its P V reads P^T down the
+// columns of the score tile, one line per key for each group of queries, which on the longer
+// whole-q blocks costs more than the K^T / V packing it saves (bench_paths: transposed@causal).
+// So lengths that may take a whole-q block of more rows (kTransposedMaxBq < Lq <=
+// kWholeQMaxLq) take the row path, whether or not the thread count gives them that block: a
+// path changes the rounding, and a result must not depend on the thread count.
+constexpr int64_t kTransposedMaxBq = 256;
+
 // Keys per block: the per-thread working set (K^T and V panels of one kv block plus the score
 // tile) should stay in L2, bk = kL2PanelBytes / (4 * (D + Dv)), clamped, a whole number of
 // panels. bk depends on the shape only: it sets the order of the online softmax.
@@ -83,13 +91,6 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   KernelPolicy pol = base_policy(
       p, p.dropout_p == 0.0f && choose(o.decode, p.Lq <= kDecodeMaxLq && !for_backward));
   const CpuTier& tier = *pol.tier;
-  // (the transposed path's column softmax takes plain scores: no visibility cut, mask or variant)
-  const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f && !p.causal &&
-                     p.win_left < 0 && p.win_right < 0 && p.softcap == 0.0f && !p.alibi &&
-                     !p.sinks;
-  pol.transposed = !pol.decode && tier.transposed_s && p.dtype == DType::F32 && plain &&
-                   p.k_sl <= INT32_MAX &&  // K's row stride is the GEMM's int lda
-                   choose(o.transposed, true);
   pol.fused_exp = tier.fused_exp && choose(o.fused_exp, true);
   // (fp32 queries keep P V in fp32: fp16 products would fall short of their accuracy; emulated
   // tiers have no such kernel: tier.fp16_pv is false there)
@@ -99,6 +100,13 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   pol.whole_q = o.fwd_bq == 0 &&
                 choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);
   if (pol.whole_q) pol.bq = int(round_up(std::max<int64_t>(p.Lq, 1), tier.mr));
+  // (the transposed path's column softmax takes scores without mask, dropout or a variant that
+  // changes them; a band, causal or a window, only cuts its tiles)
+  const bool plain = p.mask_type == MaskType::None && p.dropout_p == 0.0f &&
+                     p.softcap == 0.0f && !p.alibi && !p.sinks;
+  pol.transposed = !pol.decode && tier.transposed_s && p.dtype == DType::F32 && plain &&
+                   p.k_sl <= INT32_MAX &&  // K's row stride is the GEMM's int lda
+                   choose(o.transposed, p.Lq <= kTransposedMaxBq || p.Lq > kWholeQMaxLq);
   // Pack K^T / V once where that pays (prepack_pays); the transposed path reads K and V in place.
   pol.prepack = !pol.decode && !pol.transposed && prepack_pays(p, pol);
   if (record) t_last = pol;
@@ -113,6 +121,7 @@ KernelPolicy plan_backward(const AttnParams& p) {
   const PolicyOverride o = current_override();
   KernelPolicy pol = base_policy(p);
   choose_blocks(p, *pol.tier, pol.tier->block_q_bwd, o.bwd_bq, o.bwd_bk, &pol);
+  pol.fused_rows = pol.tier->fused_bwd_rows && choose(o.fused_rows, true);
   // The single pass has one item per (batch, kv head), all equally expensive; it wins unless
   // those items leave threads idle (the two sweeps do 7/5 of its gemm work). Both give the same
   // bits (the same tiles accumulated in the same order), so this thread-count choice never
@@ -129,7 +138,7 @@ void set_policy_override(const PolicyOverride& o) {
   g_overridden.store(o.decode != none.decode || o.transposed != none.transposed ||
                          o.prepack != none.prepack || o.fused_exp != none.fused_exp ||
                          o.whole_q != none.whole_q || o.fused_bwd != none.fused_bwd ||
-                         o.fp16_pv != none.fp16_pv ||
+                         o.fused_rows != none.fused_rows || o.fp16_pv != none.fp16_pv ||
                          o.fwd_bq || o.fwd_bk || o.bwd_bq || o.bwd_bk,
                      std::memory_order_release);
 }

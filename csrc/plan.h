@@ -16,13 +16,15 @@ struct KernelPolicy {
   bool fused_exp;   // forward: exponentials fused into the S GEMM where that is exact
   bool whole_q;     // forward: one q block per (batch, head)
   bool fused_bwd;   // backward: one pass per (batch, kv head) instead of two sweeps
+  bool fused_rows;  // backward: P and dS made per S / dP GEMM tile (flash_bwd.h, fused_rows)
   bool fp16_pv;     // decode over a float8 cache, bf16 / fp16 queries: P V in fp16
   int bq, bk;       // the blocks of the call's phases (query rows, keys)
 };
 
 // KernelPolicy's fields after isa / tier, as a list (the report: module.cpp).
 #define FLASHSDPA_KERNEL_POLICY_FIELDS(X) \
-  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fp16_pv) X(bq) X(bk)
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
+  X(fp16_pv) X(bq) X(bk)
 
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
@@ -42,7 +44,7 @@ KernelPolicy plan_backward(const AttnParams& p);
 // Forcing a path the tier or the call cannot take is ignored (the plan's conditions still hold).
 struct PolicyOverride {
   int decode = -1, transposed = -1, prepack = -1, fused_exp = -1, whole_q = -1, fused_bwd = -1,
-      fp16_pv = -1;
+      fused_rows = -1, fp16_pv = -1;
   int fwd_bq = 0, fwd_bk = 0, bwd_bq = 0, bwd_bk = 0;
 };
 void set_policy_override(const PolicyOverride& o);

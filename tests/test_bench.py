@@ -201,9 +201,10 @@ def test_bench_paths_runs_every_path(tmp_path):
     cpu_has = {"fp16_pv": _C.cpu_features()["avx512_fp16"]}  # (paths needing more than the tier)
     for r in rows:
         field = bench_paths.policy_field(r["path"])
-        needs_trait = field if field in ("transposed", "fused_exp", "fp16_pv") else None
+        needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp", "fp16_pv": "fp16_pv",
+                       "fused_rows": "fused_bwd_rows"}.get(field)
         assert r["plan_takes_it"] == (needs_trait is None or (
-            needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True)))
+            needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True))), r
         assert r["on_ms"] > 0 and r["off_ms"] > 0
 
 

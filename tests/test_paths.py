@@ -23,18 +23,46 @@ def profiled_events(fn):
     return {e.name for e in prof.events()}
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("forced", [None, 0], ids=["plan", "off"])
-def test_transposed_scores(tier, forced):
-    """fp32, no mask / dropout / causal: the transposed-score forward where the tier has it."""
+def test_transposed_scores(tier, forced, causal):
+    """fp32 without mask / dropout / variant (causal or not): the transposed-score forward where
+    the tier has it."""
     q, k, v = make_qkv(2, 3, 3, 150, 300, 64)  # several kv blocks, a ragged q block
     overrides = {} if forced is None else {"transposed": forced}
     with _testing.policy(**overrides):
         names = profiled_events(lambda: check_forward_backward(
-            q, k, v, torch.float32, f"{tier} transposed={forced}", backward=False))
+            q, k, v, torch.float32, f"{tier} transposed={forced}", backward=False,
+            is_causal=causal))
         ran = _testing.last_policy()["transposed"]
         expected = forced is None and "transposed" in ran_paths()
     assert ran == expected
     assert any(n.startswith("flashsdpa::cpu_forward_transposed") for n in names) == expected
+
+
+def test_transposed_scores_only_on_short_q_blocks(tier):
+    """The plan takes the transposed scores on q blocks of up to 256 rows: lengths that may
+    take a whole-q block of more (256 < Lq <= 512) take the row path at any thread count;
+    forcing it on such a block still runs it, and gives the row path's output up to
+    rounding."""
+    for threads in (1, 2):  # 3 heads: a whole-q block on 1 thread, not on 2
+        with num_threads(threads):
+            for lq, short in ((256, True), (300, False), (1024, True)):  # (1024: blocks of 192)
+                q, k, v = make_qkv(1, 3, 3, lq, lq, 32)
+                with _testing.policy():
+                    flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    pol = _testing.last_policy()
+                assert pol["whole_q"] == (lq <= 512 and threads == 1), (lq, pol)
+                assert pol["transposed"] == (short and "transposed" in ran_paths()), (lq, pol)
+    q, k, v = make_qkv(1, 2, 2, 300, 300, 32)
+    with num_threads(2):  # (2 heads: a whole-q block of 300 rows)
+        outs = {}
+        for forced in (1, 0):
+            with _testing.policy(transposed=forced):
+                outs[forced] = flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=True)
+                assert _testing.last_policy()["transposed"] == bool(
+                    forced and "transposed" in ran_paths())
+    torch.testing.assert_close(outs[1], outs[0])
 
 
 def assert_paths_close(fused, two_pass):
@@ -69,17 +97,21 @@ def test_fused_exponentials_count_blocks(tier, transposed, dtype):
 BAND_CASES = {
     "causal": (515, 515, dict(causal=True)),
     "causal-bottom-right": (300, 812, dict(causal=True)),
+    "causal-bottom-right-empty-rows": (600, 260, dict(causal=True)),  # rows < 340 see nothing
     "window": (520, 520, dict(window_size=(100, 40))),
     "window-causal": (640, 640, dict(causal=True, window_size=(300, 0))),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype, transposed", [(torch.float32, 1), (torch.float32, 0),
+                                               (torch.bfloat16, 0)],
+                         ids=["fp32-transposed", "fp32-rows", "bf16-rows"])
 @pytest.mark.parametrize("case", list(BAND_CASES))
-def test_fused_exponentials_on_band_blocks(tier, case, dtype):
+def test_fused_exponentials_on_band_blocks(tier, case, dtype, transposed):
     """The fused exponentials also run on the kv blocks a band's edge crosses (causal diagonal,
-    bottom-right, windows; counted by the kernels), within the rule against the fp64 reference,
-    and equal to the two-pass path up to rounding."""
+    bottom-right, windows; counted by the kernels), in the row and (fp32) the transposed-score
+    path, within the rule against the fp64 reference, and equal to the two-pass path up to
+    rounding."""
     from test_variants import check  # the variants' checks against their fp64 reference
     lq, lk, kw = BAND_CASES[case]
     q, k, v = make_qkv(1, 2, 2, lq, lk, 32, dtype=dtype)
@@ -88,14 +120,45 @@ def test_fused_exponentials_on_band_blocks(tier, case, dtype):
     ref_kw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
     outs = {}
     for fused in (1, 0):
-        with _testing.policy(fused_exp=fused, transposed=0), _testing.counting() as n:
+        with _testing.policy(fused_exp=fused, transposed=transposed), _testing.counting() as n:
             outs[fused] = check(q, k, v, ref_kw, dtype, f"{tier} {case} fused={fused}", run=run,
                                 bottom_right=True, backward=False)
             c = n()
             can = "fused_exp" in ran_paths()
+            assert _testing.last_policy()["transposed"] == bool(
+                transposed and "transposed" in ran_paths())
         assert (c["fused_exp_band_blocks"] > 0) == bool(fused and can), (fused, c)
         assert c["fused_exp_band_blocks"] <= c["fused_exp_blocks"]
     assert_paths_close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["full"] + list(BAND_CASES))
+def test_backward_fused_rows(tier, case, dtype):
+    """The backward makes P and dS per S / dP GEMM tile (tiers with fp32 operands:
+    fused_bwd_rows; counted by the kernels), on the tiles a band's edge crosses too; gradients
+    within the rule against the fp64 reference, and equal to the per-row path's up to
+    rounding."""
+    from test_variants import check
+    lq, lk, kw = BAND_CASES.get(case, (300, 512, {}))
+    q, k, v = make_qkv(1, 2, 2, lq, lk, 32, dtype=dtype)
+    run = lambda q, k, v, _kw: flashsdpa.flash_attn_func(  # noqa: E731
+        *(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
+    ref_kw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
+    grads = {}
+    for fused in (1, 0):
+        with _testing.policy(fused_rows=fused), _testing.counting() as n:
+            check(q, k, v, ref_kw, dtype, f"{tier} {case} fused_rows={fused}", run=run,
+                  bottom_right=True)
+            c = n()
+            can = "fused_bwd_rows" in ran_paths()
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = run(*leaves, {})
+            grads[fused] = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        assert (c["bwd_fused_tiles"] > 0) == bool(fused and can), (fused, c)
+        assert c["bwd_fused_tiles"] <= c["bwd_tiles"]
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b)
 
 
 def test_whole_q_block(tier):

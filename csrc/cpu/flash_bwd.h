@@ -26,7 +26,7 @@ struct FlashBackward {
   // One thread's buffers over its scratch (null: sizes only, in total).
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
-    float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16, *dcap;
+    float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16, *dcap, *rn;
     int64_t total;
     Layout(const AttnParams& p, const Blocks& bl, float* scratch = nullptr) {
       const int64_t bkp = round_up(bl.bk, Ops::NR);
@@ -54,6 +54,7 @@ struct FlashBackward {
       mask = c.take(int64_t(bl.bq) * bkp);
       a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
       dcap = c.take(p.softcap != 0.0f ? int64_t(bl.bq) * bkp : 0);  // softcap's derivative
+      rn = c.take(3 * int64_t(bl.bq));      // per row: m, inv_l, delta (fused_rows)
       total = c.total;
     }
   };
@@ -98,6 +99,9 @@ struct FlashBackward {
     const uint64_t bh = uint64_t(b * p.Hq + h);
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     count_path(p, &PathCounters::bwd_tiles, 1);
+    tile->pd = dropout ? pd : s;
+    tile->ds = dp;
+    if (fused_rows(p, L, b, h, i0, nq, nk, ct)) return true;
 
     // S = Q_blk K_blk^T, then P = 2^(s - m) * inv_l
     Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
@@ -130,8 +134,6 @@ struct FlashBackward {
       for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);
     }
-    tile->pd = dropout ? pd : s;
-    tile->ds = dp;
     if (!any) return false;
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
@@ -150,6 +152,46 @@ struct FlashBackward {
       for (int c = w; c < nk; ++c) dprow[c] = 0.0f;
     }
     return true;
+  }
+
+  // tile_ds for traits with fp32 operands (fused_bwd_rows), when the policy allows it
+  // (p.fused_rows), on tiles of whole panels whose scores are the scaled products alone (no
+  // mask, dropout, softcap or ALiBi; a band only cuts them) and whose rows all have the
+  // forward's stats, finite (a row that sees nothing takes tile_ds's own path): P = 2^(s - m)
+  // * inv_l and dS = P * (dP - delta) are made from each S / dP GEMM tile while it is in L1
+  // (gemm_rows_then, 0 off the band) instead of by passes over the rows. Returns whether it ran.
+  static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
+                         int64_t i0, int nq, int nk, const VisTile& ct) {
+    if constexpr (!caps<Ops>().scale_in_a || caps<Ops>().prep_a) {
+      return false;
+    } else {
+      if (!p.fused_rows || !p.stats || p.mask_type != MaskType::None || p.dropout_p > 0.0f ||
+          p.softcap != 0.0f || p.alibi || nk % Ops::NR != 0)
+        return false;
+      float *m = L.rn, *inv_l = m + nq, *delta = inv_l + nq;
+      for (int r = 0; r < nq; ++r) {
+        const RowNorm n = row_norm(p, b, h, i0 + r);
+        if (!(n.m > kNegInf && n.m < -kNegInf)) return false;
+        m[r] = n.m, inv_l[r] = n.inv_l, delta[r] = *delta_ptr(p, b, h, i0 + r);
+      }
+      count_path(p, &PathCounters::bwd_fused_tiles, 1);
+      constexpr int NR = Ops::NR;
+      const auto no_whole = [](int, int, int, int, bool) { return false; };
+      gemm_rows_then<Ops>(
+          nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * NR, L.s, L.lds, ct.limit_n(),
+          [&](float* row, int r, int, int first, int end) {
+            Ops::Row::exp2_band_scaled(row, NR, m[r], inv_l[r], first, end);
+          },
+          no_whole);
+      gemm_rows_then<Ops>(
+          nq, nk, int(p.Dv), L.dO, L.lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),
+          [&](float* row, int r, int panel, int first, int end) {
+            Ops::Row::ds_band(L.s + int64_t(r) * L.lds + panel * NR, row, NR, delta[r], first,
+                              end);
+          },
+          no_whole);
+      return true;
+    }
   }
 
   // Loads the q-side operands of rows [i0, i0 + nq) of head h. The A copy of Q is pre-multiplied

@@ -21,12 +21,15 @@
 // that is inf or NaN, or on the first block below 2^-40 (scores so low that 2^(s - 0) would lose
 // digits), sends the block through the two-pass path.
 // Transposed scores (Phase::ForwardTransposed, traits with transposed_s; the plan takes it for
-// fp32 inputs without mask or dropout where every key is visible; run_item_t):
+// fp32 inputs without mask, dropout, softcap, ALiBi or sinks; run_item_t):
 // S^T = K_blk Q_blk^T instead, with the rows of K read in place as the GEMM's A operand and
 // Q_blk^T packed once per item as its B panels, so that no K^T (nor, when Dv is a multiple of
 // the panel width, V) panels are packed at all; the online softmax runs down the columns (one
 // per query: vertical vector ops), fused into the tile stores as above with one reference per
-// column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in place.
+// column, and acc += P V_blk takes P^T as the transposed A operand, V's rows in place. On a
+// block a band's edge crosses (causal, windows) S^T's key groups skip the query panels none of
+// their keys is seen by (set to 0), P is 0 off the band, and P V's query groups reduce over the
+// keys they see.
 // (bench/bench_paths.py measures each of these paths against its alternative.)
 #pragma once
 #include "flash_common.h"
@@ -127,7 +130,7 @@ struct FlashForward {
   static void run_item_t(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>) {
       const Layout L(p, bl, true, scratch);
-      int64_t fused_blocks = 0;
+      int64_t fused_blocks = 0, band_blocks = 0;
       const QItem pos(p, bl, item);
       const int64_t b = pos.b, h = pos.h, hk = pos.hk, i0 = pos.i0;
       const int nq = pos.nq;
@@ -139,26 +142,31 @@ struct FlashForward {
       Ops::Row::scale_row(qt, int(round_up(nq, Ops::NR) * D), p.scale * kLog2e);
       float* csum = L.ct;
       const int nqp = int(round_up(nq, Ops::NR));
-      // padding columns (zero queries) keep reference 0: their P is 1, never read
+      // padding columns (zero queries) keep reference 0: their P is 1 (0 off the band), never read
       for (int c = 0; c < nqp; ++c) m[c] = c < nq ? kNegInf : 0.0f, l[c] = 0.0f, alpha[c] = 1.0f;
       for (int r = 0; r < nq; ++r) {
         float* a = acc + int64_t(r) * L.ldacc;
         for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
       }
       bool m_finite = false;
-      count_path(p, &PathCounters::fwd_tiles, ceil_div(p.Lk, bl.bk));
+      const Visibility vis = Visibility::of(p);
+      const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
+      count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
       clock.lap(&PathCounters::fwd_softmax_ns);
-      for (int64_t j0 = 0; j0 < p.Lk; j0 += bl.bk) {
-        const int nk = int(min64(bl.bk, p.Lk - j0));
+      for (int64_t j0 = kv_begin; j0 < kv_end; j0 += bl.bk) {
+        const int nk = int(min64(bl.bk, kv_end - j0));
         const float* kr = k_row<T>(p, b, hk, j0);
+        // A band's edge crossing the block (causal diagonal, window): S^T's key groups skip the
+        // queries none of them is seen by, P V's query groups the keys none of them sees
+        const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
         bool done = false;
-        const bool first = j0 == 0;
+        const bool first = j0 == kv_begin;
         if (p.fused_exp && (m_finite || first)) {
           if (first)
             for (int c = 0; c < nq; ++c) m[c] = 0.0f;
           for (int c = 0; c < nqp; ++c) csum[c] = 0.0f;
           Ops::gemm_exp_cols(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st, L.ldt, m,
-                             csum);
+                             csum, ct.limit_st());
           clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int c = 0; c < nq; ++c) finite &= fused_sum_ok(csum[c], first);
@@ -178,6 +186,7 @@ struct FlashForward {
             done = true;
             m_finite = true;
             ++fused_blocks;
+            band_blocks += ct.partial();
           } else if (first) {
             for (int c = 0; c < nq; ++c) m[c] = kNegInf;
           }
@@ -186,6 +195,15 @@ struct FlashForward {
           Ops::template gemm<false>(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st,
                                     L.ldt, false);
           clock.lap(&PathCounters::fwd_scores_ns);
+          if (const RowLimit* lim = ct.limit_st()) {  // -inf off the band: P = 0 there
+            for (int j = 0; j < nk; ++j) {
+              float* row = st + int64_t(j) * L.ldt;
+              const int64_t cl = lim->has_lo ? lim->lo_off + j : 0;
+              const int64_t ch = lim->has_hi ? lim->hi_off + j + 1 : nqc;
+              for (int c = 0; c < nqc; ++c)
+                if (c < cl || c >= ch) row[c] = kNegInf;
+            }
+          }
           Ops::softmax_cols(st, L.ldt, nk, nqc, m, l, alpha);
           m_finite = true;
           for (int r = 0; r < nq; ++r) {
@@ -197,20 +215,21 @@ struct FlashForward {
         clock.lap(&PathCounters::fwd_softmax_ns);
         if (Dv % Ops::NR == 0) {  // V read in place: no V panels to pack
           Ops::gemm_t_strided_b(nq, Dv, nk, st, L.ldt, v_row<T>(p, b, hk, j0), p.v_sl, acc,
-                                L.ldacc, true);
+                                L.ldacc, true, ct.limit_k());
           clock.lap(&PathCounters::fwd_pv_ns);
           continue;
         }
         Ops::Row::pack_b(v_row<T>(p, b, hk, j0), p.v_sl, nk, Dv, vp);
         clock.lap(&PathCounters::fwd_pack_ns);
         Ops::template gemm<true>(nq, Dv, nk, st, L.ldt, vp, int64_t(nk) * Ops::NR, acc,
-                                 L.ldacc, true);
+                                 L.ldacc, true, ct.limit_k());
         clock.lap(&PathCounters::fwd_pv_ns);
       }
       for (int r = 0; r < nq; ++r)
         finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
       clock.lap(&PathCounters::fwd_softmax_ns);
       count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
+      count_path(p, &PathCounters::fused_exp_band_blocks, band_blocks);
     }
   }
 

@@ -199,6 +199,23 @@ inline void for_each_tile(int M, int N, int K, const RowLimit* lim, F&& f) {
   }
 }
 
+// The columns of one tile (panel p, rows [i, i + R)) its row n sees under a RowLimit on the
+// columns (on_n; none: all): [first(n), end(n)) of [0, NR).
+template <int NR>
+struct TileBand {
+  static constexpr int64_t kAll = int64_t(1) << 40;
+  int64_t lo, hi;  // row n: [lo + n, hi + n), unclamped
+  int R;
+  TileBand(const RowLimit* lim, int p, int i, int R_)
+      : lo(lim && lim->has_lo ? lim->lo_off + i - int64_t(p) * NR : -kAll),
+        hi(lim && lim->has_hi ? lim->hi_off + i + 1 - int64_t(p) * NR : kAll),
+        R(R_) {}
+  bool all() const { return lo + R - 1 <= 0 && hi >= NR; }  // every row sees the whole tile
+  bool none() const { return lo >= NR || hi + R - 1 <= 0; }  // no row sees any of it
+  int first(int n) const { return int(max64(0, min64(NR, lo + n))); }
+  int end(int n) const { return int(max64(0, min64(NR, hi + n))); }
+};
+
 template <class Ops, bool TransA>
 inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                       int64_t bstride, float* c, int ldc, bool accumulate, const RowLimit* lim) {
@@ -230,16 +247,13 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
   // the fp32 form takes the scale folded into A (mul unused); the bf16 form applies mul
   static_assert(caps<Ops>().prep_a || caps<Ops>().scale_in_a, "a form of the fused exponentials");
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  constexpr int64_t kAll = int64_t(1) << 40;
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {
     const float* ai = a + int64_t(i) * lda;
     const float* panel = bp + p * bstride;
     float* ci = c + p * NR + int64_t(i) * ldc;
-    // the columns of this tile its row n sees: [lo + n, hi + n)
-    const int64_t lo = lim && lim->has_lo ? lim->lo_off + i - int64_t(p) * NR : -kAll;
-    const int64_t hi = lim && lim->has_hi ? lim->hi_off + i + 1 - int64_t(p) * NR : kAll;
+    const TileBand<NR> band(lim, p, i, R);
     if constexpr (!caps<Ops>().prep_a) {
-      if (lo + R - 1 <= 0 && hi >= NR) {  // every row sees the whole tile
+      if (band.all()) {
         micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
                                               sumv + 16 * int64_t(i));
         return;
@@ -248,7 +262,7 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
     for (int n = 0; n < R; ++n) {
       const int r = i + n;
-      const int cl = int(max64(0, min64(NR, lo + n))), ch = int(max64(0, min64(NR, hi + n)));
+      const int cl = band.first(n), ch = band.end(n);
       float* row = ci + int64_t(n) * ldc;
       if constexpr (caps<Ops>().prep_a)
         Ops::Row::exp2_band_bf16(row, NR, mul, mref[r], cl, ch, p16 + r * ldp16 + p * NR,
@@ -259,32 +273,71 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
   });
 }
 
+// C[M][N] = A * B (N a multiple of NR) tile by tile, each tile's rows handed, while the tile is
+// in L1, to f(row, r, p, first, end): row r of panel p, [first, end) the columns r sees under
+// `lim` (on the columns; none: all); with `whole` (a trait's fused micro-tile form) instead
+// for the tiles every row sees whole: whole(p, i, R, kk). A tile no row of its group sees is
+// set to 0 without a product: the gemms that read such a tile by other groups (the transposed
+// path's P V, the backward's dK / dV) then read zeros there.
+template <class Ops, class F, class G>
+inline void gemm_rows_then(int M, int N, int K, const float* a, int lda, const float* bp,
+                           int64_t bstride, float* c, int ldc, const RowLimit* lim, F&& f,
+                           G&& whole) {
+  constexpr int NR = Ops::NR, MR = Ops::MR;
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
+    float* ci = c + p * NR + int64_t(i) * ldc;
+    const TileBand<NR> band(lim, p, i, R);
+    if (band.none()) {
+      for (int n = 0; n < R; ++n)
+        for (int x = 0; x < NR; ++x) ci[int64_t(n) * ldc + x] = 0.0f;
+      return;
+    }
+    if (whole(p, i, R, kk, band.all())) return;
+    micro_tile_rows<Ops, false, MR>(R, kk, a + int64_t(i) * lda, lda, bp + p * bstride, ci, ldc,
+                                    false);
+    for (int n = 0; n < R; ++n) f(ci + int64_t(n) * ldc, i + n, p, band.first(n), band.end(n));
+  });
+}
+
 // gemm_exp_loop for the transposed scores S^T = K Q^T (flash_fwd.h, run_item_t): the
 // reference and the sums are per column (query): mref[n], sumv[n] for n < round_up(N, NR).
+// Under a RowLimit (lim_st: a band's edge crosses the block; rows: keys, on_n: queries) a tile
+// the group's keys see whole takes the fused micro-tile, a crossed one is exponentiated by row
+// (Row::exp2_band_cols: 0 on the queries a key is not seen by), and one they do not see at all
+// is 0 (gemm_rows_then).
 template <class Ops>
 inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                                int64_t bstride, float* c, int ldc, const float* mref,
-                               float* sumv) {
+                               float* sumv, const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
-    micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
-                                                bp + p * bstride, c + p * NR + int64_t(i) * ldc,
-                                                ldc, false, mref + p * NR, sumv + p * NR);
-  });
+  gemm_rows_then<Ops>(
+      M, N, K, a, lda, bp, bstride, c, ldc, lim,
+      [&](float* row, int, int p, int first, int end) {
+        Ops::Row::exp2_band_cols(row, NR, mref + p * NR, first, end, sumv + p * NR);
+      },
+      [&](int p, int i, int R, int kk, bool all) {
+        if (!all) return false;
+        micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
+                                                    bp + p * bstride, c + p * NR + int64_t(i) * ldc,
+                                                    ldc, false, mref + p * NR, sumv + p * NR);
+        return true;
+      });
 }
 
 // C[M][N] (= or +=) A^T B (A[i][kk] = a[kk*lda + i]) with B's rows read in place, ldb floats
 // apart (B[kk][n] = b[kk*ldb + n], N a multiple of NR): the transposed-score path's P V with V
-// unpacked (a trait's micro_tile<true, R, false, false, true>).
+// unpacked (a trait's micro_tile<true, R, false, false, true>). Under a RowLimit (on the inner
+// steps) a group of rows reduces over its steps only, as gemm_loop does.
 template <class Ops>
 inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
-                                  int64_t ldb, float* c, int ldc, bool accumulate) {
+                                  int64_t ldb, float* c, int ldc, bool accumulate,
+                                  const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
+  for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kb, int ke) {
     with_rows<MR>(R, [&](auto rows) {
       Ops::template micro_tile<true, decltype(rows)::value, false, false, true>(
-          kk, a + i, lda, b + p * NR, c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr,
-          nullptr, ldb);
+          ke - kb, a + i + int64_t(kb) * lda, lda, b + p * NR + int64_t(kb) * ldb,
+          c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr, nullptr, ldb);
     });
   });
 }

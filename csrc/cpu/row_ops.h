@@ -189,6 +189,44 @@ struct RowOps {
     return V::hsum(sum);
   }
 
+  // The same with one reference per column, for the transposed scores (rows: keys, columns:
+  // queries): s[j] = exp2(s[j] - m[j]) for j in [lo, hi), 0 for the other columns of the
+  // vectors covering n, each added to sums[j]. m finite. (gemm_exp_cols_loop, generic_ops.h.)
+  static void exp2_band_cols(float* s, int n, const float* m, int lo, int hi, float* sums) {
+    for (int j = 0; j < n; j += W) {
+      reg x = V::load(s + j);
+      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
+      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      const reg e = V::exp2(V::sub(x, V::load(m + j)));
+      V::store(s + j, e);
+      V::store(sums + j, V::add(V::load(sums + j), e));
+    }
+  }
+
+  // The backward's P on a tile's row: s[j] = exp2(s[j] - m) * mul for j in [lo, hi), 0 for the
+  // other columns of the vectors covering n. (tile_ds's fused rows, flash_bwd.h.)
+  static void exp2_band_scaled(float* s, int n, float m, float mul, int lo, int hi) {
+    const reg mv = V::splat(m), kv = V::splat(mul);
+    for (int j = 0; j < n; j += W) {
+      reg x = V::load(s + j);
+      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
+      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      V::store(s + j, V::mul(V::exp2(V::sub(x, mv)), kv));
+    }
+  }
+
+  // The backward's dS on a tile's row: ds[j] = p[j] * (ds[j] - delta) for j in [lo, hi), 0 for
+  // the other columns of the vectors covering n (ds holds dP on entry).
+  static void ds_band(const float* p, float* ds, int n, float delta, int lo, int hi) {
+    const reg dv = V::splat(delta);
+    for (int j = 0; j < n; j += W) {
+      reg x = V::mul(V::load(p + j), V::sub(V::load(ds + j), dv));
+      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, 0.0f);
+      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, 0.0f);
+      V::store(ds + j, x);
+    }
+  }
+
   // x[j] *= a for j < n.
   static void scale_row(float* x, int n, float a) {
     const reg av = V::splat(a);

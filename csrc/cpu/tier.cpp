@@ -30,7 +30,8 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   using E4m3 = FLASHSDPA_TIER_NS::DecodeOpsOf<Ops, FLASHSDPA_TIER_NS::e4m3_t>;
   constexpr bool fp16_pv = !std::is_same<E4m3::fp16_pv, E4m3::type>::value;
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
-                            Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s, fp16_pv,
+                            Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s,
+                            caps.scale_in_a && !caps.prep_a, fp16_pv,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
                             &Ops::Row::softcap_row};

@@ -72,10 +72,12 @@ struct VisTile {
   RowLimit lim_t;  // and for the products over the tile's transpose (rows: keys, inner
                    // steps: queries): keys [k, k + R) need the queries
                    // [j0 + k - hi + 1 - i0, j0 + k + R - lo - i0)
+  RowLimit lim_st;  // the same on the columns: S^T = K Q^T (rows: keys, columns: queries)
   bool partial() const { return cut_hi || cut_lo; }
   const RowLimit* limit_n() const { return partial() ? &lim_n : nullptr; }  // S = Q K^T
   const RowLimit* limit_k() const { return partial() ? &lim_k : nullptr; }  // O += P V
   const RowLimit* limit_t() const { return partial() ? &lim_t : nullptr; }  // dV += P^T dO
+  const RowLimit* limit_st() const { return partial() ? &lim_st : nullptr; }  // S^T = K Q^T
   // The columns the group of row r computes: [group_first, width) (width 0: nothing)
   int width(int r) const {
     if (!cut_hi) return nk;
@@ -98,7 +100,9 @@ inline VisTile Visibility::tile(int64_t i0, int nq, int64_t j0, int nk, int grou
   // key j is seen by the queries i with j - hi < i <= j - lo: the band's upper edge bounds the
   // queries from below, its lower edge from above
   const RowLimit lim_t{cut_lo, j0 - i0 - lo, cut_hi, j0 - i0 - hi + 1, false};
-  return VisTile{*this, cut_hi, cut_lo, i0, j0, nq, nk, group, lim, lim_k, lim_t};
+  RowLimit lim_st = lim_t;
+  lim_st.on_n = true;
+  return VisTile{*this, cut_hi, cut_lo, i0, j0, nq, nk, group, lim, lim_k, lim_t, lim_st};
 }
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -273,12 +273,12 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
   });
 }
 
-// C[M][N] = A * B (N a multiple of NR) tile by tile, each tile's rows handed, while the tile is
-// in L1, to f(row, r, p, first, end): row r of panel p, [first, end) the columns r sees under
-// `lim` (on the columns; none: all); with `whole` (a trait's fused micro-tile form) instead
-// for the tiles every row sees whole: whole(p, i, R, kk). A tile no row of its group sees is
-// set to 0 without a product: the gemms that read such a tile by other groups (the transposed
-// path's P V, the backward's dK / dV) then read zeros there.
+// C[M][round_up(N, NR)] = A * B tile by tile, each tile's rows handed, while the tile is in L1,
+// to f(row, r, p, first, end): row r of panel p, [first, end) the columns r sees under `lim`
+// (on the columns; none: all). whole(p, i, R, kk, all) may do a tile itself first (a trait's
+// fused micro-tile form; all: every row sees the whole tile) and returns whether it did. A
+// tile no row of its group sees is set to 0 without a product: the gemms that read such a
+// tile by other groups (the transposed path's P V, the backward's dK / dV) read zeros there.
 template <class Ops, class F, class G>
 inline void gemm_rows_then(int M, int N, int K, const float* a, int lda, const float* bp,
                            int64_t bstride, float* c, int ldc, const RowLimit* lim, F&& f,

@@ -310,17 +310,24 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
                                int64_t bstride, float* c, int ldc, const float* mref,
                                float* sumv, const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
+  const auto fused = [&](int p, int i, int R, int kk) {
+    micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
+                                                bp + p * bstride, c + p * NR + int64_t(i) * ldc,
+                                                ldc, false, mref + p * NR, sumv + p * NR);
+  };
+  if (!lim) {  // (every tile whole: the fused micro-tile alone, no band code in the loop)
+    for_each_tile<NR, MR>(M, N, K, nullptr,
+                          [&](int p, int i, int R, int, int kk) { fused(p, i, R, kk); });
+    return;
+  }
   gemm_rows_then<Ops>(
       M, N, K, a, lda, bp, bstride, c, ldc, lim,
       [&](float* row, int, int p, int first, int end) {
         Ops::Row::exp2_band_cols(row, NR, mref + p * NR, first, end, sumv + p * NR);
       },
       [&](int p, int i, int R, int kk, bool all) {
-        if (!all) return false;
-        micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
-                                                    bp + p * bstride, c + p * NR + int64_t(i) * ldc,
-                                                    ldc, false, mref + p * NR, sumv + p * NR);
-        return true;
+        if (all) fused(p, i, R, kk);
+        return all;
       });
 }
 

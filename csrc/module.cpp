@@ -160,10 +160,7 @@ py::dict raw_cpuid() {
   return d;
 }
 
-// The policy override as a dict and back (field names as in plan.h).
-#define FLASHSDPA_POLICY_FIELDS(X) \
-  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
-  X(fp16_pv) X(fwd_bq) X(fwd_bk) X(bwd_bq) X(bwd_bk)
+// The policy override as a dict and back (its fields: FLASHSDPA_POLICY_FIELDS, plan.h).
 
 py::dict policy_dict(const flashsdpa::PolicyOverride& o) {
   py::dict d;

@@ -134,13 +134,16 @@ KernelPolicy plan_backward(const AttnParams& p) {
 void set_policy_override(const PolicyOverride& o) {
   std::lock_guard<std::mutex> lock(g_override_mutex);
   g_override = o;
+  g_overridden.store(o.any(), std::memory_order_release);
+}
+
+bool PolicyOverride::any() const {
   const PolicyOverride none;
-  g_overridden.store(o.decode != none.decode || o.transposed != none.transposed ||
-                         o.prepack != none.prepack || o.fused_exp != none.fused_exp ||
-                         o.whole_q != none.whole_q || o.fused_bwd != none.fused_bwd ||
-                         o.fused_rows != none.fused_rows || o.fp16_pv != none.fp16_pv ||
-                         o.fwd_bq || o.fwd_bk || o.bwd_bq || o.bwd_bk,
-                     std::memory_order_release);
+#define FLASHSDPA_FORCED(f) \
+  if (f != none.f) return true;
+  FLASHSDPA_POLICY_FIELDS(FLASHSDPA_FORCED)
+#undef FLASHSDPA_FORCED
+  return false;
 }
 
 PolicyOverride policy_override() { return current_override(); }

@@ -42,10 +42,19 @@ KernelPolicy plan_backward(const AttnParams& p);
 
 // Testing and tuning: parts of the policy forced process-wide (-1 / 0: the plan's own choice).
 // Forcing a path the tier or the call cannot take is ignored (the plan's conditions still hold).
+// Its fields, listed once: paths (1 on, 0 off, -1 the plan's choice) and blocks (0: the plan's).
+#define FLASHSDPA_POLICY_PATHS(X) \
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) X(fp16_pv)
+#define FLASHSDPA_POLICY_BLOCKS(X) X(fwd_bq) X(fwd_bk) X(bwd_bq) X(bwd_bk)
+#define FLASHSDPA_POLICY_FIELDS(X) FLASHSDPA_POLICY_PATHS(X) FLASHSDPA_POLICY_BLOCKS(X)
 struct PolicyOverride {
-  int decode = -1, transposed = -1, prepack = -1, fused_exp = -1, whole_q = -1, fused_bwd = -1,
-      fused_rows = -1, fp16_pv = -1;
-  int fwd_bq = 0, fwd_bk = 0, bwd_bq = 0, bwd_bk = 0;
+#define FLASHSDPA_PATH(f) int f = -1;
+#define FLASHSDPA_BLOCK(f) int f = 0;
+  FLASHSDPA_POLICY_PATHS(FLASHSDPA_PATH)
+  FLASHSDPA_POLICY_BLOCKS(FLASHSDPA_BLOCK)
+#undef FLASHSDPA_PATH
+#undef FLASHSDPA_BLOCK
+  bool any() const;  // some field forced
 };
 void set_policy_override(const PolicyOverride& o);
 PolicyOverride policy_override();

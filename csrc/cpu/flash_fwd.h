@@ -195,11 +195,11 @@ struct FlashForward {
           Ops::template gemm<false>(nk, nq, D, kr, int(p.k_sl), qt, int64_t(D) * Ops::NR, st,
                                     L.ldt, false);
           clock.lap(&PathCounters::fwd_scores_ns);
-          if (const RowLimit* lim = ct.limit_st()) {  // -inf off the band: P = 0 there
+          if (ct.partial()) {  // -inf off the band (key j0 + j's queries): P = 0 there
             for (int j = 0; j < nk; ++j) {
               float* row = st + int64_t(j) * L.ldt;
-              const int64_t cl = lim->has_lo ? lim->lo_off + j : 0;
-              const int64_t ch = lim->has_hi ? lim->hi_off + j + 1 : nqc;
+              const int64_t cl = vis.first_row(j0 + j) - i0;
+              const int64_t ch = vis.last_row_end(j0 + j + 1) - i0;
               for (int c = 0; c < nqc; ++c)
                 if (c < cl || c >= ch) row[c] = kNegInf;
             }

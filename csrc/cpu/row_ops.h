@@ -172,6 +172,13 @@ struct RowOps {
     return V::hsum(V::kSums == 2 ? V::add(sum0, sum1) : sum0);
   }
 
+  // The vector of columns [j, j + W): x on the columns in [lo, hi), `fill` on the others.
+  static reg in_band(reg x, int j, int lo, int hi, float fill) {
+    if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, fill);
+    if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, fill);
+    return x;
+  }
+
   // s[j] = exp2(s[j] - m) for j in [lo, hi), 0 for the other columns of the vectors covering
   // n; returns the sum. m must be finite. (A band's edge tile in the fused exponentials:
   // gemm_exp_loop, generic_ops.h.)
@@ -179,9 +186,7 @@ struct RowOps {
     const reg mv = V::splat(m);
     reg sum = V::splat(0.0f);
     for (int j = 0; j < n; j += W) {
-      reg x = V::load(s + j);
-      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
-      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
       const reg e = V::exp2(V::sub(x, mv));
       V::store(s + j, e);
       sum = V::add(sum, e);
@@ -194,9 +199,7 @@ struct RowOps {
   // vectors covering n, each added to sums[j]. m finite. (gemm_exp_cols_loop, generic_ops.h.)
   static void exp2_band_cols(float* s, int n, const float* m, int lo, int hi, float* sums) {
     for (int j = 0; j < n; j += W) {
-      reg x = V::load(s + j);
-      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
-      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
       const reg e = V::exp2(V::sub(x, V::load(m + j)));
       V::store(s + j, e);
       V::store(sums + j, V::add(V::load(sums + j), e));
@@ -208,9 +211,7 @@ struct RowOps {
   static void exp2_band_scaled(float* s, int n, float m, float mul, int lo, int hi) {
     const reg mv = V::splat(m), kv = V::splat(mul);
     for (int j = 0; j < n; j += W) {
-      reg x = V::load(s + j);
-      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, kNegInf);
-      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, kNegInf);
+      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
       V::store(s + j, V::mul(V::exp2(V::sub(x, mv)), kv));
     }
   }
@@ -220,10 +221,8 @@ struct RowOps {
   static void ds_band(const float* p, float* ds, int n, float delta, int lo, int hi) {
     const reg dv = V::splat(delta);
     for (int j = 0; j < n; j += W) {
-      reg x = V::mul(V::load(p + j), V::sub(V::load(ds + j), dv));
-      if (j < lo) x = V::keep_from(x, lo - j < W ? lo - j : W, 0.0f);
-      if (j + W > hi) x = V::first_n(x, hi > j ? hi - j : 0, 0.0f);
-      V::store(ds + j, x);
+      const reg x = V::mul(V::load(p + j), V::sub(V::load(ds + j), dv));
+      V::store(ds + j, in_band(x, j, lo, hi, 0.0f));
     }
   }
 

@@ -258,11 +258,11 @@ struct Avx2Ops : GenericOps {
   // C tile of R rows x 16 columns (=|+=) A * panel. The 12 accumulators are named variables:
   // GCC does not keep an array of __m256 in registers across an unrolled loop (it spills it).
   // With kExp (gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two vectors are
-  // added to its sum at sumv + 16 row.
+  // added to its sum at sumv + 16 row; with a `band`, 0 on the columns not set in band[row].
   template <bool TransA, int R, bool kExp = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
-                                float* sumv = nullptr) {
+                                float* sumv = nullptr, const uint32_t* band = nullptr) {
     static_assert(R >= 1 && R <= 6, "1 to 6 rows");
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -283,19 +283,28 @@ struct Avx2Ops : GenericOps {
     FLASHSDPA_STORE(0) FLASHSDPA_STORE(1) FLASHSDPA_STORE(2)
     FLASHSDPA_STORE(3) FLASHSDPA_STORE(4) FLASHSDPA_STORE(5)
 #undef FLASHSDPA_STORE
-    if constexpr (kExp) exp_tile(c, ldc, R, mref, sumv);
+    if constexpr (kExp) exp_tile(c, ldc, R, mref, sumv, band);
   }
 
   // The fused exponentials of a stored R x 16 tile (still in L1): out of line, so that the
   // polynomial's constants do not take registers from the accumulators of the FMA loop (16 ymm
   // registers: computing them from the accumulators in place spills them).
   static __attribute__((noinline)) void exp_tile(float* c, int ldc, int R, const float* mref,
-                                                 float* sumv) {
+                                                 float* sumv, const uint32_t* band) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (int i = 0; i < R; ++i) {
       float* ci = c + int64_t(i) * ldc;
       const __m256 mr = _mm256_set1_ps(mref[i]);
-      const __m256 p0 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci), mr));
-      const __m256 p1 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci + 8), mr));
+      __m256 p0 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci), mr));
+      __m256 p1 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci + 8), mr));
+      if (band) {  // lanes whose bit is clear: 0 (exp2_8 is finite or NaN there; the and drops it)
+        const auto keep = [&](int bits) {
+          const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits), lane_bit);
+          return _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lane_bit));
+        };
+        p0 = _mm256_and_ps(p0, keep(int(band[i] & 0xff)));
+        p1 = _mm256_and_ps(p1, keep(int((band[i] >> 8) & 0xff)));
+      }
       _mm256_storeu_ps(ci, p0);
       _mm256_storeu_ps(ci + 8, p1);
       float* sv = sumv + 16 * i;

@@ -94,16 +94,18 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose tiles
 // every row sees whole: no -inf) one vector op fewer, x clamped at -151: what underflows gives
 // 0 or a denormal, through an assist only for scores 126 below the running max.
+// The lanes not in `keep` are 0, whatever x holds there (a band tile's columns a row does not
+// see: their results are never formed, so they take no assist either).
 template <bool kMasked = true>
-inline __m512 exp2_16(__m512 x) {
+inline __m512 exp2_16(__m512 x, __mmask16 keep = 0xffff) {
   const __m512 lo = _mm512_set1_ps(kMasked ? -126.0f : -151.0f);
   const __m512 xc = _mm512_max_ps(lo, x);
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
   const __m512 p = exp2_horner(f, [](float c) { return _mm512_set1_ps(c); },
                                [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
-  if constexpr (kMasked) return _mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), p, n);
-  return _mm512_scalef_ps(p, n);
+  if constexpr (kMasked) keep &= _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // The 12-row x 32-column zmm tile of the fp32 (here) and bf16 (avx512bf16_ops.h) micro-kernels,
@@ -176,12 +178,15 @@ struct Avx512Ops : Avx2Ops {
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two
   // vectors are added to its 16-lane sum at sumv + 16 row; with kExp and kColRef (gemm_exp_cols,
-  // transposed scores) as 2^(C - mref[column]), column sums added at sumv[0, 32). kStridedB:
-  // the panel's rows are ldb floats apart (B read in place) instead of NR.
+  // transposed scores) as 2^(C - mref[column]), column sums added at sumv[0, 32); `band`
+  // (a tile a band's edge crosses): row n's P is 0 on the columns not set in band[n] (bit x:
+  // column x; TileBand::bits). kStridedB: the panel's rows are ldb floats apart (B read in
+  // place) instead of NR.
   template <bool TransA, int R, bool kExp = false, bool kColRef = false, bool kStridedB = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
-                                float* sumv = nullptr, int64_t ldb = NR) {
+                                float* sumv = nullptr, const uint32_t* band = nullptr,
+                                int64_t ldb = NR) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
     const int64_t sb = kStridedB ? ldb : NR;
     FLASHSDPA_ZMM_TILE_ACCUMULATORS
@@ -201,8 +206,9 @@ struct Avx512Ops : Avx2Ops {
       __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
-    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, m0));             \
-    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, m1));             \
+    const uint32_t bits = band ? band[n] : ~0u;                               \
+    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, m0), __mmask16(bits)); \
+    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, m1), __mmask16(bits >> 16)); \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
     t0 = _mm512_add_ps(t0, p0);                                               \
@@ -216,8 +222,9 @@ struct Avx512Ops : Avx2Ops {
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
     const __m512 mr = _mm512_set1_ps(mref[n]);                                \
-    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, mr));             \
-    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, mr));             \
+    const uint32_t bits = band ? band[n] : ~0u;                               \
+    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, mr), __mmask16(bits)); \
+    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, mr), __mmask16(bits >> 16)); \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
     float* sv = sumv + 16 * (n);                                              \

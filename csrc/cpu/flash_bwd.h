@@ -176,20 +176,17 @@ struct FlashBackward {
       }
       count_path(p, &PathCounters::bwd_fused_tiles, 1);
       constexpr int NR = Ops::NR;
-      const auto no_whole = [](int, int, int, int, bool) { return false; };
       gemm_rows_then<Ops>(
           nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * NR, L.s, L.lds, ct.limit_n(),
           [&](float* row, int r, int, int first, int end) {
             Ops::Row::exp2_band_scaled(row, NR, m[r], inv_l[r], first, end);
-          },
-          no_whole);
+          });
       gemm_rows_then<Ops>(
           nq, nk, int(p.Dv), L.dO, L.lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),
           [&](float* row, int r, int panel, int first, int end) {
             Ops::Row::ds_band(L.s + int64_t(r) * L.lds + panel * NR, row, NR, delta[r], first,
                               end);
-          },
-          no_whole);
+          });
       return true;
     }
   }

@@ -15,8 +15,8 @@
 // on a block without mask, dropout, softcap or ALiBi, of whole panels, P = 2^(s - m) comes
 // straight from the S GEMM's tile stores with m the running max of the earlier blocks, or 0 on
 // the first block (no max pass; the exp work overlaps the GEMM); on a block a band's edge (the
-// causal diagonal, a window) crosses, the tiles it crosses are exponentiated by row, the
-// columns a row does not see set to 0 (gemm_exp_loop). A
+// causal diagonal, a window) crosses, the tiles it crosses take the same epilogue with each
+// row's lanes masked to the columns it sees, 0 on the others (gemm_exp_loop). A
 // row whose block sum passes 2^16 then moves m up by a power of two (P, l, acc rescaled); a sum
 // that is inf or NaN, or on the first block below 2^-40 (scores so low that 2^(s - 0) would lose
 // digits), sends the block through the two-pass path.

@@ -150,21 +150,22 @@ struct RowLimit {
   bool on_n;
 };
 
-// Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop) for a
-// run-time row count r in [1, R].
+// Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop, band or
+// not) for a run-time row count r in [1, R].
 template <class Ops, bool TransA, int R, bool kExp = false, bool kColRef = false>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
                             int ldc, bool accumulate, const float* mref = nullptr,
-                            float* sumv = nullptr) {
+                            float* sumv = nullptr, const uint32_t* band = nullptr) {
   if constexpr (R > 1) {
     if (r != R)
       return micro_tile_rows<Ops, TransA, R - 1, kExp, kColRef>(r, K, a, lda, panel, c, ldc,
-                                                               accumulate, mref, sumv);
+                                                               accumulate, mref, sumv, band);
   }
   if constexpr (kColRef)
-    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, mref, sumv);
+    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, mref, sumv,
+                                                    band);
   else if constexpr (kExp)
-    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, mref, sumv);
+    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, mref, sumv, band);
   else
     Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
 }
@@ -214,7 +215,25 @@ struct TileBand {
   bool none() const { return lo >= NR || hi + R - 1 <= 0; }  // no row sees any of it
   int first(int n) const { return int(max64(0, min64(NR, lo + n))); }
   int end(int n) const { return int(max64(0, min64(NR, hi + n))); }
+  // Every row's [first, end) as bits (bit x: column x) for a fused epilogue's band argument
+  // (micro_tile); null when every row sees the whole tile.
+  const uint32_t* bits(uint32_t* out) const {
+    static_assert(NR <= 32, "a row's columns in one word");
+    if (all()) return nullptr;
+    for (int n = 0; n < R; ++n) {
+      const int f = first(n), e = end(n);
+      out[n] = e > f ? uint32_t((uint64_t(1) << e) - (uint64_t(1) << f)) : 0u;
+    }
+    return out;
+  }
 };
+
+// Zeroes rows [0, R) of an NR-column tile.
+template <int NR>
+inline void zero_tile(float* c, int ldc, int R) {
+  for (int n = 0; n < R; ++n)
+    for (int x = 0; x < NR; ++x) c[int64_t(n) * ldc + x] = 0.0f;
+}
 
 template <class Ops, bool TransA>
 inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float* bp,
@@ -236,10 +255,9 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 // 16 row), so the exp work overlaps the next tile's FMAs. A trait with bf16 operands (prep_a)
 // stores its tile and then exponentiates it by row while it is in L1 (Row::exp2_band_bf16:
 // 2^(C * mul - mref[row]), into p16, the bf16 A operand of P V, rows ldp16 words apart; its
-// sums added to the row's 16 sumv lanes), as both do on a tile a band's edge crosses (a
-// RowLimit `lim` from VisTile::limit_n: tiles no row of a group sees are skipped as in
-// gemm_loop; on a crossed tile the columns a row does not see are 0; fp32 sums go to the row's
-// first sumv lane).
+// sums added to the row's 16 sumv lanes). Under a RowLimit `lim` from VisTile::limit_n (a
+// band's edge crosses the block) tiles no row of a group sees are skipped as in gemm_loop, and
+// on a crossed tile the columns a row does not see are 0 (the fused micro-tile's band bits).
 template <class Ops>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
@@ -253,46 +271,32 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     float* ci = c + p * NR + int64_t(i) * ldc;
     const TileBand<NR> band(lim, p, i, R);
     if constexpr (!caps<Ops>().prep_a) {
-      if (band.all()) {
-        micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
-                                              sumv + 16 * int64_t(i));
-        return;
+      uint32_t bits[MR];
+      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
+                                            sumv + 16 * int64_t(i), band.bits(bits));
+    } else {
+      micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
+      for (int n = 0; n < R; ++n) {
+        const int r = i + n;
+        Ops::Row::exp2_band_bf16(ci + int64_t(n) * ldc, NR, mul, mref[r], band.first(n),
+                                 band.end(n), p16 + r * ldp16 + p * NR, sumv + 16 * r);
       }
-    }
-    micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
-    for (int n = 0; n < R; ++n) {
-      const int r = i + n;
-      const int cl = band.first(n), ch = band.end(n);
-      float* row = ci + int64_t(n) * ldc;
-      if constexpr (caps<Ops>().prep_a)
-        Ops::Row::exp2_band_bf16(row, NR, mul, mref[r], cl, ch, p16 + r * ldp16 + p * NR,
-                                 sumv + 16 * r);
-      else
-        sumv[16 * r] += Ops::Row::exp2_band_sum(row, NR, mref[r], cl, ch);
     }
   });
 }
 
 // C[M][round_up(N, NR)] = A * B tile by tile, each tile's rows handed, while the tile is in L1,
 // to f(row, r, p, first, end): row r of panel p, [first, end) the columns r sees under `lim`
-// (on the columns; none: all). whole(p, i, R, kk, all) may do a tile itself first (a trait's
-// fused micro-tile form; all: every row sees the whole tile) and returns whether it did. A
-// tile no row of its group sees is set to 0 without a product: the gemms that read such a
-// tile by other groups (the transposed path's P V, the backward's dK / dV) read zeros there.
-template <class Ops, class F, class G>
+// (on the columns; none: all). A tile no row of its group sees is set to 0 without a product:
+// the gemms that read such a tile by other groups (the backward's dK / dV) read zeros there.
+template <class Ops, class F>
 inline void gemm_rows_then(int M, int N, int K, const float* a, int lda, const float* bp,
-                           int64_t bstride, float* c, int ldc, const RowLimit* lim, F&& f,
-                           G&& whole) {
+                           int64_t bstride, float* c, int ldc, const RowLimit* lim, F&& f) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
   for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     float* ci = c + p * NR + int64_t(i) * ldc;
     const TileBand<NR> band(lim, p, i, R);
-    if (band.none()) {
-      for (int n = 0; n < R; ++n)
-        for (int x = 0; x < NR; ++x) ci[int64_t(n) * ldc + x] = 0.0f;
-      return;
-    }
-    if (whole(p, i, R, kk, band.all())) return;
+    if (band.none()) return zero_tile<NR>(ci, ldc, R);
     micro_tile_rows<Ops, false, MR>(R, kk, a + int64_t(i) * lda, lda, bp + p * bstride, ci, ldc,
                                     false);
     for (int n = 0; n < R; ++n) f(ci + int64_t(n) * ldc, i + n, p, band.first(n), band.end(n));
@@ -302,33 +306,27 @@ inline void gemm_rows_then(int M, int N, int K, const float* a, int lda, const f
 // gemm_exp_loop for the transposed scores S^T = K Q^T (flash_fwd.h, run_item_t): the
 // reference and the sums are per column (query): mref[n], sumv[n] for n < round_up(N, NR).
 // Under a RowLimit (lim_st: a band's edge crosses the block; rows: keys, on_n: queries) a tile
-// the group's keys see whole takes the fused micro-tile, a crossed one is exponentiated by row
-// (Row::exp2_band_cols: 0 on the queries a key is not seen by), and one they do not see at all
-// is 0 (gemm_rows_then).
+// its keys see in part takes the fused micro-tile with band bits (0 on the queries a key is not
+// seen by), and one they do not see at all is set to 0: P V's query groups read it (they
+// reduce over whole key groups).
 template <class Ops>
 inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                                int64_t bstride, float* c, int ldc, const float* mref,
                                float* sumv, const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
-  const auto fused = [&](int p, int i, int R, int kk) {
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
+    float* ci = c + p * NR + int64_t(i) * ldc;
+    const uint32_t* band = nullptr;
+    uint32_t bits[MR];
+    if (lim) {  // (blocks without a band: no band code in the loop)
+      const TileBand<NR> tb(lim, p, i, R);
+      if (tb.none()) return zero_tile<NR>(ci, ldc, R);
+      band = tb.bits(bits);
+    }
     micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
-                                                bp + p * bstride, c + p * NR + int64_t(i) * ldc,
-                                                ldc, false, mref + p * NR, sumv + p * NR);
-  };
-  if (!lim) {  // (every tile whole: the fused micro-tile alone, no band code in the loop)
-    for_each_tile<NR, MR>(M, N, K, nullptr,
-                          [&](int p, int i, int R, int, int kk) { fused(p, i, R, kk); });
-    return;
-  }
-  gemm_rows_then<Ops>(
-      M, N, K, a, lda, bp, bstride, c, ldc, lim,
-      [&](float* row, int, int p, int first, int end) {
-        Ops::Row::exp2_band_cols(row, NR, mref + p * NR, first, end, sumv + p * NR);
-      },
-      [&](int p, int i, int R, int kk, bool all) {
-        if (all) fused(p, i, R, kk);
-        return all;
-      });
+                                                bp + p * bstride, ci, ldc, false, mref + p * NR,
+                                                sumv + p * NR, band);
+  });
 }
 
 // C[M][N] (= or +=) A^T B (A[i][kk] = a[kk*lda + i]) with B's rows read in place, ldb floats
@@ -344,7 +342,7 @@ inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, 
     with_rows<MR>(R, [&](auto rows) {
       Ops::template micro_tile<true, decltype(rows)::value, false, false, true>(
           ke - kb, a + i + int64_t(kb) * lda, lda, b + p * NR + int64_t(kb) * ldb,
-          c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr, nullptr, ldb);
+          c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr, nullptr, nullptr, ldb);
     });
   });
 }

@@ -179,33 +179,6 @@ struct RowOps {
     return x;
   }
 
-  // s[j] = exp2(s[j] - m) for j in [lo, hi), 0 for the other columns of the vectors covering
-  // n; returns the sum. m must be finite. (A band's edge tile in the fused exponentials:
-  // gemm_exp_loop, generic_ops.h.)
-  static float exp2_band_sum(float* s, int n, float m, int lo, int hi) {
-    const reg mv = V::splat(m);
-    reg sum = V::splat(0.0f);
-    for (int j = 0; j < n; j += W) {
-      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
-      const reg e = V::exp2(V::sub(x, mv));
-      V::store(s + j, e);
-      sum = V::add(sum, e);
-    }
-    return V::hsum(sum);
-  }
-
-  // The same with one reference per column, for the transposed scores (rows: keys, columns:
-  // queries): s[j] = exp2(s[j] - m[j]) for j in [lo, hi), 0 for the other columns of the
-  // vectors covering n, each added to sums[j]. m finite. (gemm_exp_cols_loop, generic_ops.h.)
-  static void exp2_band_cols(float* s, int n, const float* m, int lo, int hi, float* sums) {
-    for (int j = 0; j < n; j += W) {
-      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
-      const reg e = V::exp2(V::sub(x, V::load(m + j)));
-      V::store(s + j, e);
-      V::store(sums + j, V::add(V::load(sums + j), e));
-    }
-  }
-
   // The backward's P on a tile's row: s[j] = exp2(s[j] - m) * mul for j in [lo, hi), 0 for the
   // other columns of the vectors covering n. (tile_ds's fused rows, flash_bwd.h.)
   static void exp2_band_scaled(float* s, int n, float m, float mul, int lo, int hi) {

@@ -289,11 +289,13 @@ struct Avx512Ops : Avx2Ops {
     }
   }
 
-  // C (+)= A^T B with B's rows read in place, ldb floats apart (N a multiple of NR).
-  static void gemm_t_strided_b(int M, int N, int K, const float* a, int lda, const float* b,
-                               int64_t ldb, float* c, int ldc, bool accumulate,
-                               const RowLimit* lim = nullptr) {
-    gemm_t_strided_b_loop<Avx512Ops>(M, N, K, a, lda, b, ldb, c, ldc, accumulate, lim);
+  // C (+)= A B (TransA: A^T B) with B's rows read in place, ldb floats apart (N a multiple of
+  // NR).
+  template <bool TransA>
+  static void gemm_strided_b(int M, int N, int K, const float* a, int lda, const float* b,
+                             int64_t ldb, float* c, int ldc, bool accumulate,
+                             const RowLimit* lim = nullptr) {
+    gemm_strided_b_loop<Avx512Ops, TransA>(M, N, K, a, lda, b, ldb, c, ldc, accumulate, lim);
   }
 
   // S^T = K Q^T with the exponentials fused, one reference per column (gemm_exp_cols_loop).

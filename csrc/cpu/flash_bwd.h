@@ -82,6 +82,26 @@ struct FlashBackward {
     if (p.sinks) p.dsink_part[item] = dsink;
   }
 
+  // fp32 inputs on a trait whose GEMMs read B in place (gemm_strided_b), head dims of whole
+  // panels: dO (A of dP, B of dV), Q (B of dK) and K (B of dQ) are read where they lie, so only
+  // the scaled copy of Q and the K^T / V^T panels are made (a row's numbers are the same either
+  // way: the copies are exact). Otherwise load_q_side / load_kv_side make them all.
+  static bool in_place(const AttnParams& p) {
+    if constexpr (caps<Ops>().transposed_s && std::is_same_v<T, float>)
+      return p.D % Ops::NR == 0 && p.Dv % Ops::NR == 0;
+    return false;
+  }
+  // dO_blk's rows as an A operand: in place, or the copy load_q_side made.
+  static const float* do_a(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
+                           int64_t i0, int* ld) {
+    if (in_place(p)) {
+      *ld = int(p.do_sl);
+      return reinterpret_cast<const float*>(do_row<T>(p, b, h, i0));
+    }
+    *ld = L.lddo;
+    return L.dO;
+  }
+
   // One (q block x kv block) tile: recompute P (in s), Pd (in pd, dropout only), dP and dS (in dp).
   // Needs the q side (load_q_side) and the K^T, V^T panels (load_kv_side) loaded. Returns false
   // when every row of the tile is masked (nothing to add). On a tile a band's edge crosses, rows
@@ -137,8 +157,10 @@ struct FlashBackward {
     if (!any) return false;
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
-    Ops::template gemm<false>(nq, nk, int(p.Dv), L.dO, L.lddo, L.vt, p.Dv * Ops::NR, dp,
-                              L.lds, false, ct.limit_n());
+    int lddo;
+    const float* dO = do_a(p, L, b, h, i0, &lddo);
+    Ops::template gemm<false>(nq, nk, int(p.Dv), dO, lddo, L.vt, p.Dv * Ops::NR, dp, L.lds,
+                              false, ct.limit_n());
     for (int r = 0; r < nq; ++r) {
       const int64_t i = i0 + r;
       const int w = ct.width(r);
@@ -176,13 +198,15 @@ struct FlashBackward {
       }
       count_path(p, &PathCounters::bwd_fused_tiles, 1);
       constexpr int NR = Ops::NR;
+      int lddo;
+      const float* dO = do_a(p, L, b, h, i0, &lddo);
       gemm_rows_then<Ops>(
           nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * NR, L.s, L.lds, ct.limit_n(),
           [&](float* row, int r, int, int first, int end) {
             Ops::Row::exp2_band_scaled(row, NR, m[r], inv_l[r], first, end);
           });
       gemm_rows_then<Ops>(
-          nq, nk, int(p.Dv), L.dO, L.lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),
+          nq, nk, int(p.Dv), dO, lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),
           [&](float* row, int r, int panel, int first, int end) {
             Ops::Row::ds_band(L.s + int64_t(r) * L.lds + panel * NR, row, NR, delta[r], first,
                               end);
@@ -192,11 +216,13 @@ struct FlashBackward {
   }
 
   // Loads the q-side operands of rows [i0, i0 + nq) of head h. The A copy of Q is pre-multiplied
-  // by scale*log2(e) (scores in the log2 domain); the Q panels for dK stay unscaled.
+  // by scale*log2(e) (scores in the log2 domain); the Q panels for dK stay unscaled. In place
+  // (in_place), only the A copy of Q.
   static void load_q_side(const AttnParams& p, const Layout& L, int64_t b,
                           int64_t h, int64_t i0, int nq, bool panels) {
     Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), L.q, L.ldq,
                    caps<Ops>().scale_in_a ? p.scale * kLog2e : 1.0f);
+    if (in_place(p)) return;
     Ops::Row::load_rows(do_row<T>(p, b, h, i0), p.do_sl, nq, int(p.Dv), L.dO, L.lddo, 1.0f);
     if (panels) {
       Ops::Row::pack_b(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), L.qp);
@@ -205,12 +231,12 @@ struct FlashBackward {
   }
 
   // Packs the kv-side operands of keys [j0, j0 + nk): K^T and V^T panels (S, dP), and K panels
-  // (dQ += dS K) when with_k.
+  // (dQ += dS K) when with_k and not in place.
   static void load_kv_side(const AttnParams& p, const Layout& L, int64_t b,
                            int64_t hk, int64_t j0, int nk, bool with_k) {
     Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, L.kt);
     Ops::Row::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, L.vt);
-    if (with_k) Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
+    if (with_k && !in_place(p)) Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
   }
 
   // The q blocks with a row that sees a key of [j0, j0 + nk): [first, end) (first on the q
@@ -223,31 +249,44 @@ struct FlashBackward {
     return Visibility::of(p).last_row_end(j0 + nk);
   }
 
+  // C += A B (TransA: A^T B), B of K rows: the rows at `rows`, ld elements apart, read in place
+  // (in_place), or the panels load_q_side / load_kv_side packed from them.
+  template <bool TransA>
+  static void gemm_b(const AttnParams& p, int M, int N, int K, const float* a, int lda,
+                     const T* rows, int64_t ld, const float* panels, float* c, int ldc,
+                     const RowLimit* lim) {
+    if constexpr (caps<Ops>().transposed_s) {
+      if (in_place(p))
+        return Ops::template gemm_strided_b<TransA>(
+            M, N, K, a, lda, reinterpret_cast<const float*>(rows), ld, c, ldc, true, lim);
+    }
+    Ops::template gemm<TransA>(M, N, K, a, lda, panels, int64_t(K) * Ops::NR, c, ldc, true, lim);
+  }
+
   // dV += Pd^T dO_blk;  dK += dS^T Q_blk   (A transposed: A[j][i] = tile[i][j]). On a tile a
   // band's edge crosses, each group of keys only reduces over the queries that see one of them
   // (VisTile::limit_t): P and dS are 0 on the others.
-  static void add_dkdv(const AttnParams& p, const Layout& L, int64_t i0, int nq, int64_t j0,
-                       int nk, const Tile& tile, float* dk, float* dv) {
+  static void add_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
+                       int nq, int64_t j0, int nk, const Tile& tile, float* dk, float* dv) {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
-    Ops::template gemm<true>(nk, int(p.Dv), nq, a, lda, L.dop, int64_t(nq) * Ops::NR,
-                             dv, L.lddv, true, ct.limit_t());
+    gemm_b<true>(p, nk, int(p.Dv), nq, a, lda, do_row<T>(p, b, h, i0), p.do_sl, L.dop, dv,
+                 L.lddv, ct.limit_t());
     a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
-    Ops::template gemm<true>(nk, int(p.D), nq, a, lda, L.qp, int64_t(nq) * Ops::NR, dk,
-                             L.ldd, true, ct.limit_t());
+    gemm_b<true>(p, nk, int(p.D), nq, a, lda, q_row<T>(p, b, h, i0), p.q_sl, L.qp, dk, L.ldd,
+                 ct.limit_t());
   }
 
   // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
   // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
-  static void add_dq(const AttnParams& p, const Layout& L, int64_t i0, int nq,
-                     int64_t j0, int nk, const Tile& tile, float* dq) {
-    const Visibility vis = Visibility::of(p);
-    const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
+  static void add_dq(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t i0,
+                     int nq, int64_t j0, int nk, const Tile& tile, float* dq) {
+    const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, L.a16, &lda);
-    Ops::template gemm<false>(nq, int(p.D), nk, a, lda, L.kp, int64_t(nk) * Ops::NR,
-                              dq, L.ldd, true, ct.limit_k());
+    gemm_b<false>(p, nq, int(p.D), nk, a, lda, k_row<T>(p, b, hk, j0), p.k_sl, L.kp, dq, L.ldd,
+                  ct.limit_k());
   }
 
   static void store_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t j0,
@@ -288,7 +327,7 @@ struct FlashBackward {
         load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
         Tile tile;
         if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
-          add_dkdv(p, L, i0, nq, j0, nk, tile, dk, dv);
+          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv);
       }
     }
     store_dkdv(p, L, b, hk, j0, nk, dk, dv);
@@ -314,7 +353,7 @@ struct FlashBackward {
       load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
       Tile tile;
       if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
-        add_dq(p, L, i0, nq, j0, nk, tile, dq);
+        add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq);
     }
     store_dq(p, L, b, h, i0, nq, dq);
   }
@@ -350,8 +389,8 @@ struct FlashBackward {
           load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
           Tile tile;
           if (!tile_ds(p, L, b, h, i0, nq, j0, nk, &tile)) continue;
-          add_dkdv(p, L, i0, nq, j0, nk, tile, dk, dv);
-          add_dq(p, L, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
+          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv);
+          add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
         }
       }
       store_dkdv(p, L, b, hk, j0, nk, dk, dv);

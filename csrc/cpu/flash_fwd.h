@@ -214,7 +214,7 @@ struct FlashForward {
         }
         clock.lap(&PathCounters::fwd_softmax_ns);
         if (Dv % Ops::NR == 0) {  // V read in place: no V panels to pack
-          Ops::gemm_t_strided_b(nq, Dv, nk, st, L.ldt, v_row<T>(p, b, hk, j0), p.v_sl, acc,
+          Ops::template gemm_strided_b<true>(nq, Dv, nk, st, L.ldt, v_row<T>(p, b, hk, j0), p.v_sl, acc,
                                 L.ldacc, true, ct.limit_k());
           clock.lap(&PathCounters::fwd_pv_ns);
           continue;

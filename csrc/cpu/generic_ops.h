@@ -124,7 +124,7 @@ struct TraitCaps {
   bool scale_in_a, prep_a;
   int inner_pack;
   // fused_exp: gemm_exp, the S GEMM with the softmax's exponentials fused into its tile stores
-  // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_t_strided_b (the
+  // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_strided_b (the
   // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t).
   bool fused_exp, transposed_s;
 };
@@ -329,20 +329,22 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
   });
 }
 
-// C[M][N] (= or +=) A^T B (A[i][kk] = a[kk*lda + i]) with B's rows read in place, ldb floats
-// apart (B[kk][n] = b[kk*ldb + n], N a multiple of NR): the transposed-score path's P V with V
-// unpacked (a trait's micro_tile<true, R, false, false, true>). Under a RowLimit (on the inner
-// steps) a group of rows reduces over its steps only, as gemm_loop does.
-template <class Ops>
-inline void gemm_t_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
-                                  int64_t ldb, float* c, int ldc, bool accumulate,
-                                  const RowLimit* lim) {
+// C[M][N] (= or +=) A B, A[i][kk] = a[i*lda + kk] or, TransA, a[kk*lda + i], with B's rows
+// read in place, ldb floats apart (B[kk][n] = b[kk*ldb + n], N a multiple of NR): the
+// transposed-score path's P V with V unpacked, the fp32 backward's dV / dK / dQ with dO, Q and
+// K unpacked (a trait's micro_tile<TransA, R, false, false, true>). Under a RowLimit (on the
+// inner steps) a group of rows reduces over its steps only, as gemm_loop does.
+template <class Ops, bool TransA>
+inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
+                                int64_t ldb, float* c, int ldc, bool accumulate,
+                                const RowLimit* lim) {
   constexpr int NR = Ops::NR, MR = Ops::MR;
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kb, int ke) {
+    const float* ai = TransA ? a + i + int64_t(kb) * lda : a + int64_t(i) * lda + kb;
     with_rows<MR>(R, [&](auto rows) {
-      Ops::template micro_tile<true, decltype(rows)::value, false, false, true>(
-          ke - kb, a + i + int64_t(kb) * lda, lda, b + p * NR + int64_t(kb) * ldb,
-          c + p * NR + int64_t(i) * ldc, ldc, accumulate, nullptr, nullptr, nullptr, ldb);
+      Ops::template micro_tile<TransA, decltype(rows)::value, false, false, true>(
+          ke - kb, ai, lda, b + p * NR + int64_t(kb) * ldb, c + p * NR + int64_t(i) * ldc, ldc,
+          accumulate, nullptr, nullptr, nullptr, ldb);
     });
   });
 }

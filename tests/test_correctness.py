@@ -34,11 +34,14 @@ def test_shapes(tier, shape, causal, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("dims", [(40, 40), (64, 32)], ids=lambda d: f"D{d[0]}Dv{d[1]}")
 @pytest.mark.parametrize("layout", ["blhd", "padded"])
-def test_layouts(tier, layout, dtype):
+def test_layouts(tier, layout, dims, dtype):
     """(B, L, H, D) buffers viewed as (B, H, L, D), and views into NaN-filled buffers (any
-    out-of-bounds read turns into NaN)."""
-    q, k, v = make_qkv(2, 4, 4, 45, 70, 40, dtype=dtype, layout=layout)
+    out-of-bounds read turns into NaN). Head dims of whole 32-wide panels: the kernels read
+    rows in place (the transposed forward's K / V, the fp32 backward's dO / Q / K)."""
+    D, Dv = dims
+    q, k, v = make_qkv(2, 4, 4, 45, 70, D, Dv, dtype=dtype, layout=layout)
     check_forward_backward(q, k, v, dtype, f"{tier} {layout}", is_causal=True)
 
 

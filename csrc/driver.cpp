@@ -211,7 +211,8 @@ void run_backward_segments(AttnParams* seg, int64_t n, const KernelPolicy& pol) 
     for (auto& pl : parts) pl.shared_bytes = 4 * pl.n_items;
     share_out(seg, n, parts, &AttnParams::dsink_part, &dsink_part);
   }
-  run_phase(seg, n, pol, Phase::BwdDelta, delta);
+  if (!pol.fused_bwd || !bwd_fused_owns_delta(seg[0]))
+    run_phase(seg, n, pol, Phase::BwdDelta, delta);
   if (sinks) {
     // the sinks' gradient: each head's items (b, q block), segment after segment, summed in a
     // fixed order

@@ -221,10 +221,16 @@ enum class Phase : int32_t {
   BwdDkDv = 2,   // items: (b, hkv, kv-block): dk, dv, looping over the query heads of the group
   BwdDq = 3,     // items: (b, hq, q-block): dq
   BwdFused = 5,  // items: (b, hkv): dk, dv and dq (into dq_acc) in one pass; replaces the two above
+                 // (and BwdDelta where bwd_fused_owns_delta)
   DecodeSplit = 6,  // short queries, items (b, hkv, kv-split): partial softmax into dec_part
   DecodeMerge = 7,  // items (b, hkv): merge the splits' partials into out / lse
   kCount = 9
 };
+
+// A BwdFused item owns every row of its query heads, so it computes their delta itself (where
+// it then reads dO) and the BwdDelta phase is skipped, except with sinks, whose gradient sums
+// the BwdDelta items' parts in a fixed order.
+inline bool bwd_fused_owns_delta(const AttnParams& p) { return p.sinks == nullptr; }
 
 struct PhasePlan {
   int64_t n_items;        // the phase's items are [0, n_items); 0: skip the phase

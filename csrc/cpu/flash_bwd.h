@@ -66,21 +66,27 @@ struct FlashBackward {
   static int64_t delta_items(const AttnParams& p, const Blocks& bl) {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
-  static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
-    const QItem it(p, bl, item);
+  // delta of rows [i0, i0 + n) of head h; returns the sinks' dS summed over them (0 without).
+  static float delta_rows(const AttnParams& p, int64_t b, int64_t h, int64_t i0, int64_t n) {
     float dsink = 0.0f;
-    for (int64_t i = it.i0; i < it.i0 + it.nq; ++i) {
-      const float delta = Ops::Row::dot_row(do_row<T>(p, it.b, it.h, i),
-                                            o_crow<T>(p, it.b, it.h, i), int(p.Dv));
-      *delta_ptr(p, it.b, it.h, i) = delta;
+    for (int64_t i = i0; i < i0 + n; ++i) {
+      const float delta = Ops::Row::dot_row(do_row<T>(p, b, h, i), o_crow<T>(p, b, h, i),
+                                            int(p.Dv));
+      *delta_ptr(p, b, h, i) = delta;
       // the sink's dS: P_sink * (0 - delta), its value being 0
       if (p.sinks) {
-        const RowNorm n = row_norm(p, it.b, it.h, i);
-        dsink -= exp2_poly(p.sinks[it.h] * kLog2e - n.m) * n.inv_l * delta;
+        const RowNorm n = row_norm(p, b, h, i);
+        dsink -= exp2_poly(p.sinks[h] * kLog2e - n.m) * n.inv_l * delta;
       }
     }
+    return dsink;
+  }
+  static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
+    const QItem it(p, bl, item);
+    const float dsink = delta_rows(p, it.b, it.h, it.i0, it.nq);
     if (p.sinks) p.dsink_part[item] = dsink;
   }
+
 
   // fp32 inputs on a trait whose GEMMs read B in place (gemm_strided_b), head dims of whole
   // panels: dO (A of dP, B of dV), Q (B of dK) and K (B of dQ) are read where they lie, so only
@@ -374,6 +380,8 @@ struct FlashBackward {
     const int64_t head_rows = p.Lq * L.ldd;
     float* dq_heads = p.dq_acc + (b * p.Hq + hk * group) * head_rows;  // the group's dq rows
     for (int64_t x = 0; x < group * head_rows; ++x) dq_heads[x] = 0.0f;
+    if (bwd_fused_owns_delta(p))
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) delta_rows(p, b, h, 0, p.Lq);
     float* dk = L.dk;
     float* dv = L.dv;
 

@@ -8,11 +8,13 @@
 //   dPd  = dO V^T;  dP = dPd * Z / (1 - p)
 //   dS   = P * (dP - delta),  delta_i = sum_d dO[i,d] * O[i,d]
 //   dQ  += scale * dS K;      dK += scale * dS^T Q
-// Three phases, each a parallel loop over independent items so that no two threads ever add
-// into the same gradient row (deterministic at any thread count, no atomics):
+// Phases, each a parallel loop over independent items so that no two threads ever add into
+// the same gradient row (deterministic at any thread count, no atomics):
 //   BwdDelta: delta for every (b, h, row)
 //   BwdDkDv:  item (b, hkv, kv-block); loops over the group's query heads and all q blocks
 //   BwdDq:    item (b, h, q-block); loops over the kv blocks
+// or the single pass (run_fused below), whose items compute their own rows' delta as well
+// (bwd_fused_owns_delta: BwdDelta runs first only with sinks).
 // All accumulation is fp32 in per-thread scratch, converted to the gradient dtype once.
 #pragma once
 #include "flash_common.h"

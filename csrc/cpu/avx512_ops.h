@@ -91,9 +91,9 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // kMasked (lanes that may be -inf: masked scores): x is clamped below at -126, so every
 // vscalefps result is a normal fp32 (one that underflows, denormal or 0, takes a microcode
 // assist on Intel cores: every masked lane of a causal diagonal tile would), and the lanes
-// below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose tiles
-// every row sees whole: no -inf) one vector op fewer, x clamped at -151: what underflows gives
-// 0 or a denormal, through an assist only for scores 126 below the running max.
+// below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose
+// scores are finite: no -inf) one vector op fewer, x clamped at -151: what underflows gives 0
+// or a denormal, through an assist only for scores 126 below the running max.
 // The lanes not in `keep` are 0, whatever x holds there (a band tile's columns a row does not
 // see: their results are never formed, so they take no assist either).
 template <bool kMasked = true>

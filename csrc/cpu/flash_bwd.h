@@ -40,13 +40,14 @@ struct FlashBackward {
       ldd = int(dp_);
       lddv = int(dvp);
       Carve c{scratch};
+      const int64_t copy = in_place(p) ? 0 : 1;  // the copies in_place reads where they lie
       q = c.take(int64_t(bl.bq) * p.D);     // Q_blk rows (A operand)
-      qp = c.take(int64_t(bl.bq) * dp_);    // Q_blk panels (B operand of dK += dS^T Q)
-      dO = c.take(int64_t(bl.bq) * p.Dv);   // dO_blk rows (A operand of dP = dO V^T)
-      dop = c.take(int64_t(bl.bq) * dvp);   // dO_blk panels (B operand of dV += Pd^T dO)
+      qp = c.take(copy * bl.bq * dp_);      // Q_blk panels (B operand of dK += dS^T Q)
+      dO = c.take(copy * bl.bq * p.Dv);     // dO_blk rows (A operand of dP = dO V^T)
+      dop = c.take(copy * bl.bq * dvp);     // dO_blk panels (B operand of dV += Pd^T dO)
       kt = c.take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
       vt = c.take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
-      kp = c.take(int64_t(bl.bk) * dp_);    // K_blk panels (dQ += dS K)
+      kp = c.take(copy * bl.bk * dp_);      // K_blk panels (dQ += dS K)
       s = c.take(int64_t(bl.bq) * bkp);     // P
       pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout only)
       dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS
@@ -88,7 +89,6 @@ struct FlashBackward {
     const float dsink = delta_rows(p, it.b, it.h, it.i0, it.nq);
     if (p.sinks) p.dsink_part[item] = dsink;
   }
-
 
   // fp32 inputs on a trait whose GEMMs read B in place (gemm_strided_b), head dims of whole
   // panels: dO (A of dP, B of dV), Q (B of dK) and K (B of dQ) are read where they lie, so only
@@ -244,7 +244,8 @@ struct FlashBackward {
                            int64_t hk, int64_t j0, int nk, bool with_k) {
     Ops::Row::pack_bt(k_row<T>(p, b, hk, j0), p.k_sl, int(p.D), nk, L.kt);
     Ops::Row::pack_bt(v_row<T>(p, b, hk, j0), p.v_sl, int(p.Dv), nk, L.vt);
-    if (with_k && !in_place(p)) Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
+    if (with_k && !in_place(p))
+      Ops::Row::pack_b(k_row<T>(p, b, hk, j0), p.k_sl, nk, int(p.D), L.kp);
   }
 
   // The q blocks with a row that sees a key of [j0, j0 + nk): [first, end) (first on the q

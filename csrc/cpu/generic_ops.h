@@ -125,7 +125,8 @@ struct TraitCaps {
   int inner_pack;
   // fused_exp: gemm_exp, the S GEMM with the softmax's exponentials fused into its tile stores
   // (flash_fwd.h). transposed_s: softmax_cols, gemm_exp_cols and gemm_strided_b (the
-  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t).
+  // forward's S^T = K Q^T path for fp32 inputs, flash_fwd.h run_item_t; gemm_strided_b also
+  // reads the fp32 backward's operands in place, flash_bwd.h in_place).
   bool fused_exp, transposed_s;
 };
 #define FLASHSDPA_TRAIT_CAPS(Self, scale_in_a, prep_a, inner_pack, fused_exp, transposed_s) \
@@ -318,7 +319,7 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
     float* ci = c + p * NR + int64_t(i) * ldc;
     const uint32_t* band = nullptr;
     uint32_t bits[MR];
-    if (lim) {  // (blocks without a band: no band code in the loop)
+    if (lim) {  // (blocks without a band: no TileBand per tile)
       const TileBand<NR> tb(lim, p, i, R);
       if (tb.none()) return zero_tile<NR>(ci, ldc, R);
       band = tb.bits(bits);

@@ -75,8 +75,8 @@ struct Avx512Bf16Ops : Avx512Ops {
       }
     }
 
-    // The forward's exp pass straight into the A operand of P V (online_softmax_row, and the
-    // fused exponentials' tiles: gemm_exp_loop): P = 2^(s * mul - m) for the columns [lo, hi),
+    // The forward's exp pass straight into the A operand of P V (online_softmax_row; the fused
+    // exponentials do it in micro_tile): P = 2^(s * mul - m) for the columns [lo, hi),
     // 0 for the others of the vectors covering n (and for the padding lanes score_row left at
     // -inf), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of back into
     // s; the unrounded P's 16-lane sum added to sum16.
@@ -231,10 +231,16 @@ struct Avx512Bf16Ops : Avx512Ops {
     return buf;
   }
 
-  // C tile of R rows x 32 columns (=|+=) A * panel, over ceil(K / 2) pair steps.
-  template <bool TransA, int R>
+  // C tile of R rows x 32 columns (=|+=) A * panel, over ceil(K / 2) pair steps. With kExp (the
+  // fused softmax of gemm_exp) the tile is P = 2^(C * mul - mref[row]) in bf16, rounded from the
+  // accumulators in registers, stored as rows of this trait's A format (P V's operand: row n's
+  // 32 words at the byte offset of c + n * ldc), each row's unrounded P added to its 16-lane sum
+  // at sumv + 16 row; `band` as in Avx512Ops::micro_tile (0 on the columns not set in band[n]).
+  template <bool TransA, int R, bool kExp = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
-                                int ldc, bool accumulate) {
+                                int ldc, bool accumulate, const float* mref = nullptr,
+                                float* sumv = nullptr, const uint32_t* band = nullptr,
+                                float mul = 1.0f) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
     FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const uint32_t* A = reinterpret_cast<const uint32_t*>(a);  // pairs
@@ -254,13 +260,30 @@ struct Avx512Bf16Ops : Avx512Ops {
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-    FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ZMM_TILE_STORE_ROW)
+    if constexpr (kExp) {
+      const __m512 kv = _mm512_set1_ps(mul);
+#define FLASHSDPA_EXP_ROW(i, n)                                                          \
+  if (R > n) {                                                                         \
+    const __m512 mr = _mm512_set1_ps(-mref[n]);                                        \
+    const uint32_t bits = band ? band[n] : ~0u;                                        \
+    const __m512 p0 = exp2_16<false>(_mm512_fmadd_ps(c##i##0, kv, mr), __mmask16(bits)); \
+    const __m512 p1 =                                                                  \
+        exp2_16<false>(_mm512_fmadd_ps(c##i##1, kv, mr), __mmask16(bits >> 16));        \
+    _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));   \
+    float* sv = sumv + 16 * (n);                                                       \
+    _mm512_storeu_ps(sv, _mm512_add_ps(_mm512_loadu_ps(sv), _mm512_add_ps(p0, p1)));   \
+  }
+      FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)
+#undef FLASHSDPA_EXP_ROW
+    } else {
+      FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ZMM_TILE_STORE_ROW)
+    }
   }
 
   FLASHSDPA_TRAIT_GEMM(Avx512Bf16Ops)
 
-  // S GEMM with the exponentials fused (gemm_exp_loop, generic_ops.h: P in bf16 into the A
-  // operand of P V, each tile's rows exponentiated while the tile is in L1).
+  // S GEMM with the exponentials fused (gemm_exp_loop, generic_ops.h: micro_tile<false, R,
+  // true> puts P in bf16 into the A operand of P V).
   FLASHSDPA_TRAIT_GEMM_EXP(Avx512Bf16Ops)
 };
 

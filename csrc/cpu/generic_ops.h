@@ -152,21 +152,19 @@ struct RowLimit {
 };
 
 // Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop, band or
-// not) for a run-time row count r in [1, R].
-template <class Ops, bool TransA, int R, bool kExp = false, bool kColRef = false>
+// not, with the trait's epilogue arguments `ex`) for a run-time row count r in [1, R].
+template <class Ops, bool TransA, int R, bool kExp = false, bool kColRef = false, class... Ex>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
-                            int ldc, bool accumulate, const float* mref = nullptr,
-                            float* sumv = nullptr, const uint32_t* band = nullptr) {
+                            int ldc, bool accumulate, Ex... ex) {
   if constexpr (R > 1) {
     if (r != R)
       return micro_tile_rows<Ops, TransA, R - 1, kExp, kColRef>(r, K, a, lda, panel, c, ldc,
-                                                               accumulate, mref, sumv, band);
+                                                               accumulate, ex...);
   }
   if constexpr (kColRef)
-    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, mref, sumv,
-                                                    band);
+    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, ex...);
   else if constexpr (kExp)
-    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, mref, sumv, band);
+    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, ex...);
   else
     Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
 }
@@ -251,12 +249,12 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 // The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
 // trait with fused_exp: N a multiple of NR, sumv zeroed by the caller. Saves the separate max
 // and exp passes over S. (flash_fwd.h: the reference mref is the running max of the earlier
-// blocks.) A trait with fp32 operands (scale folded into A) exponentiates its tile in registers
-// (micro_tile<false, R, true>: 2^(C - mref[row]) stored, each row's vectors added to sumv +
-// 16 row), so the exp work overlaps the next tile's FMAs. A trait with bf16 operands (prep_a)
-// stores its tile and then exponentiates it by row while it is in L1 (Row::exp2_band_bf16:
-// 2^(C * mul - mref[row]), into p16, the bf16 A operand of P V, rows ldp16 words apart; its
-// sums added to the row's 16 sumv lanes). Under a RowLimit `lim` from VisTile::limit_n (a
+// blocks.) The micro-tile exponentiates its tile in registers (micro_tile<false, R, true>), so
+// the exp work overlaps the next tile's FMAs, each row's vectors added to sumv + 16 row: a
+// trait with fp32 operands (scale folded into A) stores 2^(C - mref[row]) over C; one with bf16
+// operands (prep_a) stores 2^(C * mul - mref[row]) rounded to bf16 into p16, the A operand of
+// P V, rows ldp16 words apart (ldp16 even: its rows start at fp32 row offsets, as that
+// format's rows do). Under a RowLimit `lim` from VisTile::limit_n (a
 // band's edge crosses the block) tiles no row of a group sees are skipped as in gemm_loop, and
 // on a crossed tile the columns a row does not see are 0 (the fused micro-tile's band bits).
 template <class Ops>
@@ -269,20 +267,16 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int, int kk) {
     const float* ai = a + int64_t(i) * lda;
     const float* panel = bp + p * bstride;
-    float* ci = c + p * NR + int64_t(i) * ldc;
-    const TileBand<NR> band(lim, p, i, R);
-    if constexpr (!caps<Ops>().prep_a) {
-      uint32_t bits[MR];
-      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, ci, ldc, false, mref + i,
-                                            sumv + 16 * int64_t(i), band.bits(bits));
-    } else {
-      micro_tile_rows<Ops, false, MR>(R, kk, ai, lda, panel, ci, ldc, false);
-      for (int n = 0; n < R; ++n) {
-        const int r = i + n;
-        Ops::Row::exp2_band_bf16(ci + int64_t(n) * ldc, NR, mul, mref[r], band.first(n),
-                                 band.end(n), p16 + r * ldp16 + p * NR, sumv + 16 * r);
-      }
-    }
+    uint32_t bits[MR];
+    const uint32_t* bb = TileBand<NR>(lim, p, i, R).bits(bits);
+    float* sv = sumv + 16 * int64_t(i);
+    if constexpr (!caps<Ops>().prep_a)
+      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, c + p * NR + int64_t(i) * ldc,
+                                            ldc, false, mref + i, sv, bb);
+    else
+      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel,
+                                            reinterpret_cast<float*>(p16 + i * ldp16 + p * NR),
+                                            int(ldp16 / 2), false, mref + i, sv, bb, mul);
   });
 }
 

@@ -39,6 +39,14 @@ inline simde__m256bh cvtneps_pbh(simde__m512 v) {
   simde_memcpy(&r, out, sizeof(r));
   return r;
 }
+// vcvtne2ps2bf16: b's 16 lanes in the low half, a's in the high half
+inline simde__m512bh cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  const simde__m256bh lo = cvtneps_pbh(b), hi = cvtneps_pbh(a);
+  simde__m512bh r;
+  simde_memcpy(&r, &lo, 32);
+  simde_memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+}
 // masked loads (zero where the mask is clear; nothing read there) and masked stores
 inline simde__m512 maskz_loadu_ps(simde__mmask16 k, const void* mem) {
   simde__m512_private r = simde__m512_to_private(simde_mm512_setzero_ps());
@@ -141,6 +149,8 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm512_mask_storeu_epi16(p, k, a) flashsdpa::emu::mask_storeu_epi16<simde__m512i, 32>(p, k, a)
 #undef _mm512_cvtneps_pbh
 #define _mm512_cvtneps_pbh(v) flashsdpa::emu::cvtneps_pbh(v)
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh(a, b) flashsdpa::emu::cvtne2ps_pbh(a, b)
 #undef _mm512_reduce_add_ps
 #undef _mm512_reduce_max_ps
 #define _mm512_reduce_add_ps(v) flashsdpa::emu::reduce_add_ps(v)

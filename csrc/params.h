@@ -248,7 +248,7 @@ struct CpuTier {
   // sizes are multiples of them), the default q blocks, and the trait's optional paths.
   int mr, nr, block_q, block_q_bwd;
   bool fused_exp, transposed_s;
-  bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (fp32 operands)
+  bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (not on AMX)
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)

@@ -184,15 +184,16 @@ struct FlashBackward {
     return true;
   }
 
-  // tile_ds for traits with fp32 operands (fused_bwd_rows), when the policy allows it
-  // (p.fused_rows), on tiles of whole panels whose scores are the scaled products alone (no
-  // mask, dropout, softcap or ALiBi; a band only cuts them) and whose rows all have the
-  // forward's stats, finite (a row that sees nothing takes tile_ds's own path): P = 2^(s - m)
-  // * inv_l and dS = P * (dP - delta) are made from each S / dP GEMM tile while it is in L1
-  // (gemm_rows_then, 0 off the band) instead of by passes over the rows. Returns whether it ran.
+  // tile_ds for traits whose GEMMs run on their micro-tiles (fused_bwd_rows), when the policy
+  // allows it (p.fused_rows), on tiles of whole panels whose scores are the scaled products
+  // alone (no mask, dropout, softcap or ALiBi; a band only cuts them) and whose rows all have
+  // the forward's stats, finite (a row that sees nothing takes tile_ds's own path):
+  // P = 2^(s - m) * inv_l and dS = P * (dP - delta) are made from each S / dP GEMM tile while
+  // it is in L1 (gemm_rows_then, 0 off the band) instead of by passes over the rows. Returns
+  // whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                          int64_t i0, int nq, int nk, const VisTile& ct) {
-    if constexpr (!caps<Ops>().scale_in_a || caps<Ops>().prep_a) {
+    if constexpr (!fused_bwd_rows<Ops>()) {
       return false;
     } else {
       if (!p.fused_rows || !p.stats || p.mask_type != MaskType::None || p.dropout_p > 0.0f ||
@@ -206,12 +207,13 @@ struct FlashBackward {
       }
       count_path(p, &PathCounters::bwd_fused_tiles, 1);
       constexpr int NR = Ops::NR;
+      const float smul = caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e;
       int lddo;
       const float* dO = do_a(p, L, b, h, i0, &lddo);
       gemm_rows_then<Ops>(
           nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * NR, L.s, L.lds, ct.limit_n(),
           [&](float* row, int r, int, int first, int end) {
-            Ops::Row::exp2_band_scaled(row, NR, m[r], inv_l[r], first, end);
+            Ops::Row::exp2_band_scaled(row, NR, smul, m[r], inv_l[r], first, end);
           });
       gemm_rows_then<Ops>(
           nq, nk, int(p.Dv), dO, lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),

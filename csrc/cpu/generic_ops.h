@@ -139,6 +139,14 @@ constexpr TraitCaps caps() {
   return Ops::kCaps;
 }
 
+// Whether the backward makes P and dS per S / dP GEMM tile while it is in L1 (flash_bwd.h,
+// fused_rows; gemm_rows_then): every trait whose GEMMs run on its micro-tile, so all but the
+// tile unit's (AMX: bf16 operands, prep_a, and no fused exponentials).
+template <class Ops>
+constexpr bool fused_bwd_rows() {
+  return caps<Ops>().scale_in_a || caps<Ops>().fused_exp;
+}
+
 // A band's restriction of a gemm (visibility.h), per group of MR rows: the group of rows
 // [i, i + R) needs only the columns of B (on_n) or the inner steps (!on_n) in
 // [lo_off + i, hi_off + i + R) (either side only when has_lo / has_hi): before them lies the

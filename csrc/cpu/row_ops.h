@@ -179,13 +179,14 @@ struct RowOps {
     return x;
   }
 
-  // The backward's P on a tile's row: s[j] = exp2(s[j] - m) * mul for j in [lo, hi), 0 for the
-  // other columns of the vectors covering n. (tile_ds's fused rows, flash_bwd.h.)
-  static void exp2_band_scaled(float* s, int n, float m, float mul, int lo, int hi) {
-    const reg mv = V::splat(m), kv = V::splat(mul);
+  // The backward's P on a tile's row: s[j] = exp2(s[j] * smul - m) * mul for j in [lo, hi), 0
+  // for the other columns of the vectors covering n. (tile_ds's fused rows, flash_bwd.h; smul:
+  // the scores' scale where the trait does not fold it into A, else 1, exact.)
+  static void exp2_band_scaled(float* s, int n, float smul, float m, float mul, int lo, int hi) {
+    const reg sv = V::splat(smul), mv = V::splat(-m), kv = V::splat(mul);
     for (int j = 0; j < n; j += W) {
       const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
-      V::store(s + j, V::mul(V::exp2(V::sub(x, mv)), kv));
+      V::store(s + j, V::mul(V::exp2(V::fma(x, sv, mv)), kv));
     }
   }
 

@@ -31,7 +31,7 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   constexpr bool fp16_pv = !std::is_same<E4m3::fp16_pv, E4m3::type>::value;
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
                             Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s,
-                            caps.scale_in_a && !caps.prep_a, fp16_pv,
+                            FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
                             &Ops::Row::softcap_row};

@@ -68,6 +68,23 @@ def test_scale_and_large_scores(tier, dtype):
     check_forward_backward(q_big, k, v, dtype, f"{tier} large scores", is_causal=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_huge_scores(tier, causal, dtype):
+    """Query rows scaled to 1e5, 1e10 and 1e30 (one head each; fp16 cannot hold them): scores
+    far past 2^24, where fp32 spaces them more than 1 apart, and the softmax is one-hot. Where
+    a tier applies the scale in its exponential pass (bf16 operands: fma(s, scale, -m))
+    against a max it rounded, the row's max must still give 2^0, not 2^(the product's rounding
+    error): 2^(+-1e22) is inf or 0. Forward only: at these magnitudes every kernel's gradients
+    are rounding noise (PyTorch's own dK is off by 1e23)."""
+    q, k, v = make_qkv(1, 3, 3, 40, 300, 64, dtype=torch.float32, seed=5)
+    q = q.clone()
+    for h, big in enumerate((1e5, 1e10, 1e30)):
+        q[0, h, 7] *= big
+    check_forward_backward(q.to(dtype), k.to(dtype), v.to(dtype), dtype, f"{tier} huge scores",
+                           is_causal=causal, backward=False)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("growth", [4.0, 40.0, 400.0], ids=["rescale", "large", "overflow"])
 def test_scores_grow_along_the_keys(tier, growth, dtype):

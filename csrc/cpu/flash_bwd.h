@@ -187,10 +187,10 @@ struct FlashBackward {
   // tile_ds for traits whose GEMMs run on their micro-tiles (fused_bwd_rows), when the policy
   // allows it (p.fused_rows), on tiles of whole panels whose scores are the scaled products
   // alone (no mask, dropout, softcap or ALiBi; a band only cuts them) and whose rows all have
-  // the forward's stats, finite (a row that sees nothing takes tile_ds's own path):
-  // P = 2^(s - m) * inv_l and dS = P * (dP - delta) are made from each S / dP GEMM tile while
-  // it is in L1 (gemm_rows_then, 0 off the band) instead of by passes over the rows. Returns
-  // whether it ran.
+  // the forward's stats, fit to be the reference (fused_ref_ok; a row that sees nothing takes
+  // tile_ds's own path): P = 2^(s - m) * inv_l and dS = P * (dP - delta) are made from each
+  // S / dP GEMM tile while it is in L1 (gemm_rows_then, 0 off the band) instead of by passes
+  // over the rows. Returns whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                          int64_t i0, int nq, int nk, const VisTile& ct) {
     if constexpr (!fused_bwd_rows<Ops>()) {
@@ -202,7 +202,7 @@ struct FlashBackward {
       float *m = L.rn, *inv_l = m + nq, *delta = inv_l + nq;
       for (int r = 0; r < nq; ++r) {
         const RowNorm n = row_norm(p, b, h, i0 + r);
-        if (!(n.m > kNegInf && n.m < -kNegInf)) return false;
+        if (!fused_ref_ok<Ops>(n.m)) return false;
         m[r] = n.m, inv_l[r] = n.inv_l, delta[r] = *delta_ptr(p, b, h, i0 + r);
       }
       count_path(p, &PathCounters::bwd_fused_tiles, 1);

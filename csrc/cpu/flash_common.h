@@ -198,14 +198,33 @@ inline void start_row(const AttnParams& p, int64_t h, float* m, float* l) {
 // p16 (traits with prep_a only): P goes rounded to bf16 into p16, a row of the A operand of
 // P V, instead of into srow (defined up to the next multiple of 16 past w), which saves the
 // prep_a pass; and on a plain row whose scale score_row would apply (mul > 0: the row max
-// commutes with it, exactly in fp32) the exp pass applies it instead of a pass of its own.
+// commutes with it, exactly in fp32) the exp pass applies it instead of a pass of its own,
+// unless the max is past kFmaRefMax.
+// A bf16 trait's exponential pass applies the scores' scale itself: fma(s, mul, -m), the
+// product unrounded, against a max m that was rounded. A score equal to the max then gives
+// 2^(the product's rounding error), up to 2^(ulp(m) / 2): at most 2^0.5 while |m| < 2^24, inf or
+// 0 far above (scores of 1e30). Rows past this take the scale in a pass of their own, and the
+// fused exponentials do not take them as a reference.
+constexpr float kFmaRefMax = 0x1p24f;
+
+// Whether a row's running max can be the reference of the fused exponentials: finite, and
+// below kFmaRefMax where the trait applies the scale in the exp pass (not scale_in_a).
+template <class Ops>
+inline bool fused_ref_ok(float m) {
+  return __builtin_fabsf(m) < (caps<Ops>().scale_in_a ? -kNegInf : kFmaRefMax);
+}
+
 template <class Ops>
 inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m, float* l,
                                float* acc_row, int Dv, uint16_t* p16 = nullptr) {
   RowScore r = rs;
   float mul = 1.0f;  // the scale left to the exp pass
   if (p16 && rs.plain() && !rs.madd && rs.mul > 0.0f) mul = rs.mul, r.mul = 1.0f;
-  const float mx = Ops::Row::score_row(srow, w, r) * mul;
+  float mx = Ops::Row::score_row(srow, w, r) * mul;
+  if (mul != 1.0f && !(__builtin_fabsf(mx) < kFmaRefMax)) {  // (and a row that sees nothing)
+    Ops::Row::scale_row(srow, w, mul);
+    mul = 1.0f;
+  }
   const float m_new = mx > *m ? mx : *m;
   if (m_new == kNegInf) {
     for (int c = 0; c < int(round_up(w, 8)); ++c) srow[c] = 0.0f;

@@ -209,7 +209,7 @@ struct FlashForward {
           for (int r = 0; r < nq; ++r) {
             if (alpha[r] != 1.0f) Ops::Row::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha[r]);
             alpha[r] = 1.0f;
-            m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
+            m_finite &= fused_ref_ok<Ops>(m[r]);
           }
         }
         clock.lap(&PathCounters::fwd_softmax_ns);
@@ -263,8 +263,14 @@ struct FlashForward {
       for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
     }
 
-    // every row's running max is finite (the fused path may run): from the start with a sink
-    bool m_finite = p.sinks != nullptr;
+    // every row's running max can be the fused reference (the fused path may run): from the
+    // start with a sink
+    const auto refs_ok = [&] {  // every row's running max can be the fused reference
+      for (int r = 0; r < nq; ++r)
+        if (!fused_ref_ok<Ops>(m[r])) return false;
+      return true;
+    };
+    bool m_finite = p.sinks != nullptr && refs_ok();
     const Visibility vis = Visibility::of(p);
     const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
     count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
@@ -329,7 +335,7 @@ struct FlashForward {
                 Ops::Row::scale_row(s + int64_t(r) * L.lds, nk, alpha);
             }
             any_row = true;
-            m_finite = true;
+            m_finite = refs_ok();  // (a rescale moves m up)
             ++fused_blocks;
             band_blocks += ct.partial();
           } else if (first) {
@@ -358,8 +364,7 @@ struct FlashForward {
         }
         clock.lap(&PathCounters::fwd_softmax_ns);
         if (!any_row) continue;  // the whole tile is masked: skip P V
-        m_finite = true;
-        for (int r = 0; r < nq; ++r) m_finite &= m[r] > kNegInf && m[r] < -kNegInf;
+        m_finite = refs_ok();
       }
       // acc += P V_blk   [nq, Dv]
       clock.lap(&PathCounters::fwd_softmax_ns);  // (the fused path's rescaling)

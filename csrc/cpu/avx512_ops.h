@@ -92,14 +92,16 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // vscalefps result is a normal fp32 (one that underflows, denormal or 0, takes a microcode
 // assist on Intel cores: every masked lane of a causal diagonal tile would), and the lanes
 // below -126 are zeroed by the mask: exactly 0. Otherwise (the fused GEMM epilogues, whose
-// scores are finite: no -inf) one vector op fewer, x clamped at -151: what underflows gives 0
-// or a denormal, through an assist only for scores 126 below the running max.
+// scores are products: no mask's -inf) two vector ops fewer, x not clamped: what underflows
+// gives 0 or a denormal, through an assist only for scores 126 below the running max; a -inf
+// (from an infinite input) gives NaN, which sends its block to the two-pass softmax (the fused
+// sum is not finite).
 // The lanes not in `keep` are 0, whatever x holds there (a band tile's columns a row does not
 // see: their results are never formed, so they take no assist either).
 template <bool kMasked = true>
 inline __m512 exp2_16(__m512 x, __mmask16 keep = 0xffff) {
-  const __m512 lo = _mm512_set1_ps(kMasked ? -126.0f : -151.0f);
-  const __m512 xc = _mm512_max_ps(lo, x);
+  const __m512 lo = _mm512_set1_ps(-126.0f);
+  const __m512 xc = kMasked ? _mm512_max_ps(lo, x) : x;
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
   const __m512 p = exp2_horner(f, [](float c) { return _mm512_set1_ps(c); },

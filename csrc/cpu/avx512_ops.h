@@ -110,6 +110,17 @@ inline __m512 exp2_16(__m512 x, __mmask16 keep = 0xffff) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
+// The fused exponentials of one row of a micro-tile (kExp, one reference per row): P = 2^x of
+// its two vectors (0 on the columns not set in `bits`), their sum added to the row's 16 lanes
+// at sv.
+// (Always inlined: a call would pass the tile's registers through memory.)
+__attribute__((always_inline)) inline void exp2_row_pair(__m512 x0, __m512 x1, uint32_t bits,
+                                                        float* sv, __m512* p0, __m512* p1) {
+  *p0 = exp2_16<false>(x0, __mmask16(bits));
+  *p1 = exp2_16<false>(x1, __mmask16(bits >> 16));
+  _mm512_storeu_ps(sv, _mm512_add_ps(_mm512_loadu_ps(sv), _mm512_add_ps(*p0, *p1)));
+}
+
 // The 12-row x 32-column zmm tile of the fp32 (here) and bf16 (avx512bf16_ops.h) micro-kernels,
 // written once: 24 named accumulators c<row><half> (rows 0-9, a, b), a macro applied to every
 // row as M(row name, row index), and the store of the first R rows (added to C when accumulating).
@@ -221,16 +232,14 @@ struct Avx512Ops : Avx2Ops {
       _mm512_storeu_ps(sumv, _mm512_add_ps(_mm512_loadu_ps(sumv), t0));
       _mm512_storeu_ps(sumv + 16, _mm512_add_ps(_mm512_loadu_ps(sumv + 16), t1));
     } else if constexpr (kExp) {
-#define FLASHSDPA_EXP_ROW(i, n)                                                 \
-  if (R > n) {                                                                \
-    const __m512 mr = _mm512_set1_ps(mref[n]);                                \
-    const uint32_t bits = band ? band[n] : ~0u;                               \
-    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, mr), __mmask16(bits)); \
-    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, mr), __mmask16(bits >> 16)); \
-    _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
-    _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
-    float* sv = sumv + 16 * (n);                                              \
-    _mm512_storeu_ps(sv, _mm512_add_ps(_mm512_loadu_ps(sv), _mm512_add_ps(p0, p1))); \
+#define FLASHSDPA_EXP_ROW(i, n)                                                       \
+  if (R > n) {                                                                      \
+    const __m512 mr = _mm512_set1_ps(mref[n]);                                      \
+    __m512 p0, p1;                                                                  \
+    exp2_row_pair(_mm512_sub_ps(c##i##0, mr), _mm512_sub_ps(c##i##1, mr),           \
+                  band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1);                 \
+    _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                                     \
+    _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                                \
   }
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)
 #undef FLASHSDPA_EXP_ROW

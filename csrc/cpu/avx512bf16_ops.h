@@ -262,16 +262,13 @@ struct Avx512Bf16Ops : Avx512Ops {
 #undef FLASHSDPA_ROW
     if constexpr (kExp) {
       const __m512 kv = _mm512_set1_ps(mul);
-#define FLASHSDPA_EXP_ROW(i, n)                                                          \
-  if (R > n) {                                                                         \
-    const __m512 mr = _mm512_set1_ps(-mref[n]);                                        \
-    const uint32_t bits = band ? band[n] : ~0u;                                        \
-    const __m512 p0 = exp2_16<false>(_mm512_fmadd_ps(c##i##0, kv, mr), __mmask16(bits)); \
-    const __m512 p1 =                                                                  \
-        exp2_16<false>(_mm512_fmadd_ps(c##i##1, kv, mr), __mmask16(bits >> 16));        \
-    _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));   \
-    float* sv = sumv + 16 * (n);                                                       \
-    _mm512_storeu_ps(sv, _mm512_add_ps(_mm512_loadu_ps(sv), _mm512_add_ps(p0, p1)));   \
+#define FLASHSDPA_EXP_ROW(i, n)                                                        \
+  if (R > n) {                                                                       \
+    const __m512 mr = _mm512_set1_ps(-mref[n]);                                      \
+    __m512 p0, p1;                                                                   \
+    exp2_row_pair(_mm512_fmadd_ps(c##i##0, kv, mr), _mm512_fmadd_ps(c##i##1, kv, mr), \
+                  band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1);                  \
+    _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); \
   }
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)
 #undef FLASHSDPA_EXP_ROW

@@ -13,10 +13,15 @@ bwd_op = torch.ops.flashsdpa.flash_attn_bwd.default
 @pytest.mark.parametrize("layout", ["contiguous", "blhd"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_forward(layout, dtype):
+    """The eager call (inputs that require grad: a backward follows) takes the prefill kernel,
+    the forward AOT traces (no grad there) the split-KV decode kernel (q_len 9): in bf16 they
+    round P to bf16 against different references (the bf16 tiers), so their outputs agree to an
+    ulp of bf16 at the output's scale, not to assert_close's default for bf16."""
     q, k, v = make_qkv(2, 4, 2, 9, 13, 16, dtype=dtype, layout=layout, requires_grad=True)
     mask = torch.randn(2, 1, 9, 13)
-    torch.library.opcheck(fwd_op, (q, k, v, mask, 0.0, True), {"scale": 0.3})
-    torch.library.opcheck(fwd_op, (q, k, v))
+    tol = dict(atol=2.0 ** -7, rtol=1.6e-2) if dtype == torch.bfloat16 else {}
+    torch.library.opcheck(fwd_op, (q, k, v, mask, 0.0, True), {"scale": 0.3}, **tol)
+    torch.library.opcheck(fwd_op, (q, k, v), **tol)
 
 
 def test_opcheck_backward():

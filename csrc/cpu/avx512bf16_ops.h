@@ -193,6 +193,9 @@ struct Avx512Bf16Ops : Avx512Ops {
         const float* t = tile + int64_t(i) * ld;
         uint16_t* d = bf16_words(buf + int64_t(i) * ld);
         int c = 0;
+        for (; c + 32 <= K; c += 32)
+          _mm512_storeu_si512(d + c, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t + c + 16),
+                                                                 _mm512_loadu_ps(t + c)));
         for (; c + 16 <= K; c += 16)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + c), cvt16_bf16(_mm512_loadu_ps(t + c)));
         if (c < K) {
@@ -206,7 +209,16 @@ struct Avx512Bf16Ops : Avx512Ops {
         const float* t0 = tile + int64_t(2 * kp) * ld;
         const bool has_t1 = 2 * kp + 1 < K;
         uint16_t* d = bf16_words(buf + int64_t(kp) * ld);
-        for (int m = 0; m < M; m += 32) {
+        int m = 0;
+        for (; has_t1 && m + 32 <= M; m += 32) {  // whole pairs of 32-column rows
+          const __m512i a = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t0 + m + 16),
+                                                        _mm512_loadu_ps(t0 + m));
+          const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(t0 + ld + m + 16),
+                                                        _mm512_loadu_ps(t0 + ld + m));
+          _mm512_storeu_si512(d + 2 * m, interleave_lo(a, b));
+          _mm512_storeu_si512(d + 2 * m + 32, interleave_hi(a, b));
+        }
+        for (; m < M; m += 32) {
           const int w = M - m < 32 ? M - m : 32;
           const __mmask16 m0 = w >= 16 ? __mmask16(0xFFFF) : tail_mask16(w);
           const __mmask16 m1 = w > 16 ? tail_mask16(w - 16) : __mmask16(0);
@@ -218,11 +230,9 @@ struct Avx512Bf16Ops : Avx512Ops {
                            _mm512_castsi256_si512(cvt16_bf16(_mm512_maskz_loadu_ps(m0, t0 + ld + m))),
                            cvt16_bf16(_mm512_maskz_loadu_ps(m1, t0 + ld + m + 16)), 1)
                      : _mm512_setzero_si512();
-          const __mmask32 wm = w == 32 ? __mmask32(~0u) : __mmask32((1u << w) - 1u);
           // words m .. m+w: 2w bf16, the first 32 from interleave_lo, the rest from _hi
           const __mmask32 lo = w >= 16 ? __mmask32(~0u) : __mmask32((1ull << (2 * w)) - 1u);
           const __mmask32 hi = w > 16 ? __mmask32((1ull << (2 * (w - 16))) - 1u) : __mmask32(0);
-          (void)wm;
           _mm512_mask_storeu_epi16(d + 2 * m, lo, interleave_lo(a, b));
           if (hi) _mm512_mask_storeu_epi16(d + 2 * m + 32, hi, interleave_hi(a, b));
         }

@@ -153,14 +153,27 @@ struct VecZ16 {
   }
   template <class T> static reg load_t(const T* p) { return load16(p); }
   template <class T> static reg load_n(const T* p, int n) { return load16_partial(p, n); }
-  // 16-bit stores round through the AVX2 halves (plain AVX-512 has no bf16 rounding store)
+  // fp16 stores round through the AVX2 halves (F16C); bf16 ones by store8's integer rounding
+  // on all 16 lanes (round to nearest even, NaN -> qNaN: the same bits; plain AVX-512 has no
+  // bf16 conversion)
   static __m256 high_half(reg v) {
     return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  }
+  static __m256i round_bf16(reg v) {
+    const __m512i u = _mm512_castps_si512(v), hi = _mm512_srli_epi32(u, 16);
+    const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), hi,
+                             _mm512_set1_epi32(0x0040));
+    return _mm512_cvtepi32_epi16(r);
   }
   template <class T>
   static void store_t(T* p, reg v) {
     if constexpr (std::is_same_v<T, float>) {
       _mm512_storeu_ps(p, v);
+    } else if constexpr (std::is_same_v<T, bf16_t>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16(v));
     } else {
       store8(p, _mm512_castps512_ps256(v));
       store8(p + 8, high_half(v));
@@ -170,6 +183,8 @@ struct VecZ16 {
   static void store_n(T* p, reg v, int n) {
     if constexpr (std::is_same_v<T, float>) {
       _mm512_mask_storeu_ps(p, tail_mask16(n), v);
+    } else if constexpr (std::is_same_v<T, bf16_t>) {
+      _mm256_mask_storeu_epi16(p, tail_mask16(n), round_bf16(v));
     } else if (n <= 8) {
       store8_partial(p, _mm512_castps512_ps256(v), n);
     } else {

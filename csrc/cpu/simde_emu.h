@@ -93,6 +93,16 @@ inline simde__m512i zext_lanes(simde__m256i a) {
   simde_memcpy(&r, w, sizeof(r));
   return r;
 }
+// vpmovdw: the low halves of 16 32-bit lanes
+inline simde__m256i cvtepi32_epi16(simde__m512i a) {
+  uint32_t v[16];
+  simde_memcpy(v, &a, sizeof(v));
+  uint16_t w[16];
+  for (int i = 0; i < 16; ++i) w[i] = uint16_t(v[i]);
+  simde__m256i r;
+  simde_memcpy(&r, w, sizeof(r));
+  return r;
+}
 inline simde__m512 cvtph_ps(simde__m256i a) {  // fp16 -> fp32 through the F16C 8-wide op
   simde__m128i lo, hi;
   simde_memcpy(&lo, &a, 16);
@@ -127,6 +137,8 @@ inline simde__m512 scalef_ps(simde__m512 a, simde__m512 b) {
 #define _mm512_cvtepu16_epi32(a) flashsdpa::emu::zext_lanes<uint16_t, uint32_t>(a)
 #undef _mm512_cvtepu8_epi16
 #define _mm512_cvtepu8_epi16(a) flashsdpa::emu::zext_lanes<uint8_t, uint16_t>(a)
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16(a) flashsdpa::emu::cvtepi32_epi16(a)
 #undef _mm512_cvtph_ps
 #define _mm512_cvtph_ps(a) flashsdpa::emu::cvtph_ps(a)
 #undef _mm512_maskz_loadu_ps

@@ -190,16 +190,6 @@ inline void start_row(const AttnParams& p, int64_t h, float* m, float* l) {
   *l = p.sinks ? 1.0f : 0.0f;
 }
 
-// One row of the online softmax over a block of scores (srow, log2 domain, w columns computed):
-//   s = the row's score (RowScore); m' = max(m, rowmax); alpha = 2^(m - m');
-//   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
-// Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
-// (P is defined up to the next multiple of 8 past w, as score_row / exp2_row_sum leave it.)
-// p16 (traits with prep_a only): P goes rounded to bf16 into p16, a row of the A operand of
-// P V, instead of into srow (defined up to the next multiple of 16 past w), which saves the
-// prep_a pass; and on a plain row whose scale score_row would apply (mul > 0: the row max
-// commutes with it, exactly in fp32) the exp pass applies it instead of a pass of its own,
-// unless the max is past kFmaRefMax.
 // A bf16 trait's exponential pass applies the scores' scale itself: fma(s, mul, -m), the
 // product unrounded, against a max m that was rounded. A score equal to the max then gives
 // 2^(the product's rounding error), up to 2^(ulp(m) / 2): at most 2^0.5 while |m| < 2^24, inf or
@@ -214,6 +204,16 @@ inline bool fused_ref_ok(float m) {
   return __builtin_fabsf(m) < (caps<Ops>().scale_in_a ? -kNegInf : kFmaRefMax);
 }
 
+// One row of the online softmax over a block of scores (srow, log2 domain, w columns computed):
+//   s = the row's score (RowScore); m' = max(m, rowmax); alpha = 2^(m - m');
+//   P = 2^(s - m') in place; l = alpha * l + rowsum(P); acc *= alpha.
+// Returns false when nothing in the row is visible yet (P set to 0, m / l / acc untouched).
+// (P is defined up to the next multiple of 8 past w, as score_row / exp2_row_sum leave it.)
+// p16 (traits with prep_a only): P goes rounded to bf16 into p16, a row of the A operand of
+// P V, instead of into srow (defined up to the next multiple of 16 past w), which saves the
+// prep_a pass; and on a plain row whose scale score_row would apply (mul > 0: the row max
+// commutes with it, exactly in fp32) the exp pass applies it instead of a pass of its own,
+// unless the max is past kFmaRefMax.
 template <class Ops>
 inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m, float* l,
                                float* acc_row, int Dv, uint16_t* p16 = nullptr) {

@@ -148,7 +148,7 @@ struct FlashForward {
         float* a = acc + int64_t(r) * L.ldacc;
         for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
       }
-      bool m_finite = false;
+      bool m_fit = false;
       const Visibility vis = Visibility::of(p);
       const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
       count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
@@ -161,7 +161,7 @@ struct FlashForward {
         const VisTile ct = vis.tile(i0, nq, j0, nk, Ops::MR);
         bool done = false;
         const bool first = j0 == kv_begin;
-        if (p.fused_exp && (m_finite || first)) {
+        if (p.fused_exp && (m_fit || first)) {
           if (first)
             for (int c = 0; c < nq; ++c) m[c] = 0.0f;
           for (int c = 0; c < nqp; ++c) csum[c] = 0.0f;
@@ -184,7 +184,7 @@ struct FlashForward {
               for (int c = 0; c < nq; ++c) alpha[c] = 1.0f;
             }
             done = true;
-            m_finite = true;
+            m_fit = true;
             ++fused_blocks;
             band_blocks += ct.partial();
           } else if (first) {
@@ -205,11 +205,11 @@ struct FlashForward {
             }
           }
           Ops::softmax_cols(st, L.ldt, nk, nqc, m, l, alpha);
-          m_finite = true;
+          m_fit = true;
           for (int r = 0; r < nq; ++r) {
             if (alpha[r] != 1.0f) Ops::Row::scale_row(acc + int64_t(r) * L.ldacc, Dv, alpha[r]);
             alpha[r] = 1.0f;
-            m_finite &= fused_ref_ok<Ops>(m[r]);
+            m_fit &= fused_ref_ok<Ops>(m[r]);
           }
         }
         clock.lap(&PathCounters::fwd_softmax_ns);
@@ -265,12 +265,12 @@ struct FlashForward {
 
     // every row's running max can be the fused reference (the fused path may run): from the
     // start with a sink
-    const auto refs_ok = [&] {  // every row's running max can be the fused reference
+    const auto refs_ok = [&] {
       for (int r = 0; r < nq; ++r)
         if (!fused_ref_ok<Ops>(m[r])) return false;
       return true;
     };
-    bool m_finite = p.sinks != nullptr && refs_ok();
+    bool m_fit = p.sinks != nullptr && refs_ok();
     const Visibility vis = Visibility::of(p);
     const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
     count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
@@ -308,7 +308,7 @@ struct FlashForward {
         // score under about -40: 2^(s - 0) would sit near the bottom of fp32's range, where
         // digits go) takes the two-pass path too.
         const bool first = j0 == kv_begin && !p.sinks;
-        if (p.fused_exp && (m_finite || first) && p.mask_type == MaskType::None && !dropout &&
+        if (p.fused_exp && (m_fit || first) && p.mask_type == MaskType::None && !dropout &&
             p.softcap == 0.0f && !p.alibi && nk % Ops::NR == 0) {
           if (first)
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
@@ -335,7 +335,7 @@ struct FlashForward {
                 Ops::Row::scale_row(s + int64_t(r) * L.lds, nk, alpha);
             }
             any_row = true;
-            m_finite = refs_ok();  // (a rescale moves m up)
+            m_fit = refs_ok();  // (a rescale moves m up)
             ++fused_blocks;
             band_blocks += ct.partial();
           } else if (first) {
@@ -364,7 +364,7 @@ struct FlashForward {
         }
         clock.lap(&PathCounters::fwd_softmax_ns);
         if (!any_row) continue;  // the whole tile is masked: skip P V
-        m_finite = refs_ok();
+        m_fit = refs_ok();
       }
       // acc += P V_blk   [nq, Dv]
       clock.lap(&PathCounters::fwd_softmax_ns);  // (the fused path's rescaling)

@@ -75,33 +75,21 @@ struct Avx512Bf16Ops : Avx512Ops {
       }
     }
 
-    // The forward's exp pass straight into the A operand of P V (online_softmax_row; the fused
-    // exponentials do it in micro_tile): P = 2^(s * mul - m) for the columns [lo, hi),
-    // 0 for the others of the vectors covering n (and for the padding lanes score_row left at
-    // -inf), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of back into
-    // s; the unrounded P's 16-lane sum added to sum16.
-    static void exp2_band_bf16(const float* s, int n, float mul, float m, int lo, int hi,
-                               uint16_t* dst, float* sum16) {
+    // The two-pass forward's exp pass straight into the A operand of P V (online_softmax_row;
+    // the fused exponentials do theirs in micro_tile): P = 2^(s * mul - m) for the first n
+    // columns, 0 for the other lanes of the vectors covering n (the padding score_row left at
+    // -inf), rounded to bf16 into dst, a row of prep_a<false>'s format, instead of back into s;
+    // returns the unrounded P's sum.
+    static float exp2_row_sum_bf16(const float* s, int n, float mul, float m, uint16_t* dst) {
       const __m512 mv = _mm512_set1_ps(-m), kv = _mm512_set1_ps(mul);
-      __m512 sum = _mm512_loadu_ps(sum16);
+      __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
-        __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv));  // -inf: 0
-        if (j < lo || j + 16 > hi) {
-          const int a = lo - j < 0 ? 0 : lo - j < 16 ? lo - j : 16;
-          const int b = hi - j < 0 ? 0 : hi - j < 16 ? hi - j : 16;
-          e = _mm512_maskz_mov_ps(__mmask16(tail_mask16(b) & ~tail_mask16(a)), e);
-        }
+        const __mmask16 keep = j + 16 > n ? tail_mask16(n - j) : __mmask16(0xffff);
+        const __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv), keep);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e));
         sum = _mm512_add_ps(sum, e);
       }
-      _mm512_storeu_ps(sum16, sum);
-    }
-    // The same over a whole row, its sum returned.
-    static float exp2_band_sum_bf16(const float* s, int n, float mul, float m, int lo, int hi,
-                                    uint16_t* dst) {
-      alignas(64) float sum16[16] = {};
-      exp2_band_bf16(s, n, mul, m, lo, hi, dst, sum16);
-      return _mm512_reduce_add_ps(_mm512_load_ps(sum16));
+      return _mm512_reduce_add_ps(sum);
     }
 
     // dst[j] *= a for j < n (n a multiple of 16; a a power of two: exact but for underflow).

@@ -221,7 +221,7 @@ inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m,
   float mul = 1.0f;  // the scale left to the exp pass
   if (p16 && rs.plain() && !rs.madd && rs.mul > 0.0f) mul = rs.mul, r.mul = 1.0f;
   float mx = Ops::Row::score_row(srow, w, r) * mul;
-  if (mul != 1.0f && !(__builtin_fabsf(mx) < kFmaRefMax)) {  // (and a row that sees nothing)
+  if (mul != 1.0f && !fused_ref_ok<Ops>(mx)) {  // (and a row that sees nothing)
     Ops::Row::scale_row(srow, w, mul);
     mul = 1.0f;
   }
@@ -235,7 +235,7 @@ inline bool online_softmax_row(float* srow, int w, const RowScore& rs, float* m,
   const float alpha = exp2_poly(*m - m_new);  // m = -inf -> 0
   float rowsum;
   if constexpr (caps<Ops>().prep_a)
-    rowsum = p16 ? Ops::Row::exp2_band_sum_bf16(srow, w, mul, m_new, 0, w, p16)
+    rowsum = p16 ? Ops::Row::exp2_row_sum_bf16(srow, w, mul, m_new, p16)
                  : Ops::Row::exp2_row_sum(srow, w, m_new);
   else
     rowsum = Ops::Row::exp2_row_sum(srow, w, m_new);

@@ -3,6 +3,8 @@
 of new keys / values (exactly those slots), decode / speculative / chunked-prefill query counts
 with bottom-right causal alignment and every variant, on every native and emulated tier,
 against the fp64 reference over each sequence's keys; the checks, fake kernel and compile."""
+import math
+
 import pytest
 import torch
 
@@ -355,6 +357,18 @@ def test_kvcache_e4m3_widening_is_exact_for_every_byte(tier, dtype):
     want = (k8.float() * 0.5).view(128, 1, 1)
     finite = want.isfinite()  # (lse passes through log2 units: rounding, not widening error)
     torch.testing.assert_close(lse[finite], want[finite], atol=1e-30, rtol=1e-6)
+    # K again through a group of 16 rows (4 query heads x 4 queries on one kv head; the avx2 tier
+    # widens such groups of 4 keys once for all rows) with 16 dims: row r's query is one-hot on
+    # dim r, and each sequence's 4 keys are copies of one row of bytes, so that row r's lse is
+    # that row's byte at dim r (x k_scale) + ln 4. Every byte but the two NaN ones, whose row's
+    # every score is NaN (0 x NaN): rows 7 and 15 of the 256 bytes, left out.
+    rows = torch.arange(256, dtype=torch.uint8).view(16, 16)[[i for i in range(16) if i % 8 != 7]]
+    k8 = rows.view(E4M3).view(14, 1, 1, 16).expand(14, 4, 1, 16).contiguous()
+    q = torch.eye(16, dtype=dtype).view(1, 4, 4, 16).transpose(1, 2).expand(14, 4, 4, 16)
+    _, lse = flashsdpa.flash_attn_with_kvcache(q, k8, torch.zeros(14, 4, 1, 4, dtype=E4M3),
+                                               k_scale=0.5, return_lse=True, softmax_scale=1.0)
+    want = (rows.view(E4M3).double() * 0.5).view(14, 4, 4) + math.log(4)  # (b, head h, query i)
+    torch.testing.assert_close(lse.double(), want, atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("block_size", [None, 5])

@@ -39,6 +39,23 @@ inline __m256 load8(const e4m3_t* p) {
   return _mm256_cvtph_ps(_mm_or_si128(x, t));
 }
 
+// 16 elements -> two vectors. e4m3: the bytes widened 16 at a time (load8's steps on one ymm
+// of 16-bit lanes, then two fp16 conversions), 13 uops where two load8 take 18.
+template <class T>
+inline void load16(const T* p, __m256* lo, __m256* hi) {
+  *lo = load8(p), *hi = load8(p + 8);
+}
+inline void load16(const e4m3_t* p, __m256* lo, __m256* hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  const __m256i x = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
+  const __m256i t = _mm256_and_si256(_mm256_add_epi16(x, _mm256_set1_epi16(0x80)),
+                                     _mm256_set1_epi16(0x4000));
+  const __m256i h = _mm256_or_si256(x, t);
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
 // n < 8 elements, the rest of the vector zero.
 template <class T>
 inline __m256 load8_partial(const T* p, int n) {
@@ -392,13 +409,32 @@ struct Avx2Ops : GenericOps {
     return j;
   }
 
-  // Query rows in pairs (see qk_4keys).
+  // Query rows in pairs (see qk_4keys). An e4m3 cache's four keys, where more than one pair of
+  // rows reads them, are widened once (16 at a time) into fp32 rows on the stack, which each
+  // pair then reads: widening costs more than the FMAs it feeds.
+  static constexpr int kWidenMaxD = 256;
   template <class T>
   static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds, const DecodePrefetch& pf) {
+    constexpr bool e4m3 = std::is_same<T, e4m3_t>::value;
+    alignas(32) float kf[e4m3 ? 4 * kWidenMaxD : 1];
+    const bool widen = e4m3 && M > 2 && D <= kWidenMaxD && D % 16 == 0;
     const int j = qk_key_groups<2>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
-      qk_4keys<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
-                                         s + int64_t(r) * lds + j, lds);
+      constexpr int R = decltype(rows)::value;
+      if constexpr (e4m3) {
+        if (widen) {
+          if (r == 0)
+            for (int u = 0; u < 4; ++u)
+              for (int d = 0; d < D; d += 16) {
+                __m256 lo, hi;
+                load16(k0 + u * ldk + d, &lo, &hi);
+                _mm256_store_ps(kf + u * D + d, lo), _mm256_store_ps(kf + u * D + d + 8, hi);
+              }
+          return qk_4keys<float, R>(kf, D, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j,
+                                    lds);
+        }
+      }
+      qk_4keys<T, R>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
     });
     if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
   }
@@ -429,7 +465,8 @@ struct Avx2Ops : GenericOps {
     for (int j = 0; j < nk; ++j) {
       const T* vj = v + j * ldv + d0;
       if (prefetch) prefetch_row(vj, 16 * int(sizeof(T)), pf);
-      const __m256 v0 = load8(vj), v1 = load8(vj + 8);
+      __m256 v0, v1;
+      load16(vj, &v0, &v1);
 #define FLASHSDPA_ROW(i)                                                          \
   if (R > i) {                                                                   \
     const __m256 pj = _mm256_broadcast_ss(p + int64_t(i) * ldp + j);            \
@@ -462,10 +499,12 @@ struct Avx2Ops : GenericOps {
         if (d0 == 0 && pf.off) prefetch_row(v + j * ldv, Dv * int(sizeof(T)), pf);
         const __m256 pj = _mm256_broadcast_ss(p + j);
         const T* vj = v + j * ldv + d0;
-        c0 = _mm256_fmadd_ps(pj, load8(vj), c0), c1 = _mm256_fmadd_ps(pj, load8(vj + 8), c1);
-        c2 = _mm256_fmadd_ps(pj, load8(vj + 16), c2), c3 = _mm256_fmadd_ps(pj, load8(vj + 24), c3);
-        c4 = _mm256_fmadd_ps(pj, load8(vj + 32), c4), c5 = _mm256_fmadd_ps(pj, load8(vj + 40), c5);
-        c6 = _mm256_fmadd_ps(pj, load8(vj + 48), c6), c7 = _mm256_fmadd_ps(pj, load8(vj + 56), c7);
+        __m256 x[8];
+        for (int u = 0; u < 4; ++u) load16(vj + 16 * u, &x[2 * u], &x[2 * u + 1]);
+        c0 = _mm256_fmadd_ps(pj, x[0], c0), c1 = _mm256_fmadd_ps(pj, x[1], c1);
+        c2 = _mm256_fmadd_ps(pj, x[2], c2), c3 = _mm256_fmadd_ps(pj, x[3], c3);
+        c4 = _mm256_fmadd_ps(pj, x[4], c4), c5 = _mm256_fmadd_ps(pj, x[5], c5);
+        c6 = _mm256_fmadd_ps(pj, x[6], c6), c7 = _mm256_fmadd_ps(pj, x[7], c7);
       }
       _mm256_storeu_ps(acc + d0, c0), _mm256_storeu_ps(acc + d0 + 8, c1);
       _mm256_storeu_ps(acc + d0 + 16, c2), _mm256_storeu_ps(acc + d0 + 24, c3);

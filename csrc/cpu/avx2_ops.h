@@ -341,16 +341,14 @@ struct Avx2Ops : GenericOps {
   // widened once for all R rows; a hadd tree turns a row's 4 accumulators into 4 dot products.
   // R = 2 fits AVX2's 16 registers (the AVX-512 trait has its own, on zmm: qk_4keys16).
   template <class T, int R>
-  static inline void qk_4keys(const T* k0, int64_t ldk, int D, const float* q, int ldq, float* s,
+  static inline void qk_4keys(const T* const* k4, int D, const float* q, int ldq, float* s,
                               int lds) {
     __m256 a[R][4];
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
-    const T* k1 = k0 + ldk;
-    const T* k2 = k1 + ldk;
-    const T* k3 = k2 + ldk;
+    const T *k0 = k4[0], *k1 = k4[1], *k2 = k4[2], *k3 = k4[3];
     const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, int d, int t) {
 #pragma GCC unroll 4
       for (int i = 0; i < R; ++i) {
@@ -379,32 +377,41 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  // The part [0, bytes) of a row, pf.off bytes on: one prefetch per pf.every bytes (into L2:
-  // the block it belongs to is read a block later).
-  static inline void prefetch_row(const void* row, int bytes, const DecodePrefetch& pf) {
-    const char* r = static_cast<const char*>(row) + pf.off;
-    for (int b = 0; b < bytes; b += pf.every) _mm_prefetch(r + b, _MM_HINT_T1);
+  // The cursor's key's lines to prefetch (pf_row, StridedRows): bytes [at, at + bytes) of the
+  // row, one line per `every` (into L2: the block it belongs to is read a block later).
+  template <class Cursor>
+  static inline void prefetch_key(const Cursor& c, int every, int64_t at, int bytes) {
+    const auto* t = c.pf_row();
+    if (Cursor::kPfGaps && !t) return;
+    const char* r = reinterpret_cast<const char*>(t) + at;
+    for (int b = 0; b < bytes; b += every) _mm_prefetch(r + b, _MM_HINT_T1);
   }
-  // Whether a pass over a row's dims from d0 prefetches: passes starting on the pf.every grid
-  // do (their part of the row, prefetch_row), so each line is prefetched once.
-  template <class T>
-  static inline bool prefetches_at(const DecodePrefetch& pf, int d0) {
-    return pf.off != 0 && (int64_t(d0) * int64_t(sizeof(T))) % pf.every == 0;
+  // Whether a pass over the rows' dims from d0 prefetches: passes starting on the `every`
+  // grid do (their part of each row, prefetch_key), so each line is prefetched once.
+  template <class Rows>
+  static inline bool prefetches_at(const Rows& v, int d0) {
+    using T = typename Rows::Elem;
+    return v.prefetches() && (int64_t(d0) * int64_t(sizeof(T))) % v.every == 0;
   }
 
-  // The decode Q.K loop of every trait: keys in fours (each K row's lines prefetched, pf), query rows in
-  // groups of up to kR, f(rows, k0, r, j) computing s[r .. r + rows)[j .. j + 4) from K rows
-  // k0 = k + j * ldk; returns the keys done (the rest, fewer than 4, are the caller's).
-  template <int kR, class T, class F>
-  static int qk_key_groups(const T* k, int64_t ldk, int nk, int D, int M,
-                           const DecodePrefetch& pf, F&& f) {
+  // The decode Q.K loop of every trait: keys in fours (each K row's lines prefetched), query
+  // rows in groups of up to kR, f(rows, k4, r, j) computing s[r .. r + rows)[j .. j + 4) from
+  // the K rows k4[0 .. 4) of keys j .. j + 3; returns the keys done (the rest, fewer than 4, are
+  // the caller's).
+  template <int kR, class Rows, class F>
+  static int qk_key_groups(const Rows& k, int nk, int D, int M, F&& f) {
+    using T = typename Rows::Elem;
     int j = 0;
+    const bool pf = k.prefetches();
+    auto c = k.cursor();
     for (; j + 4 <= nk; j += 4) {
-      const T* k0 = k + j * ldk;
-      if (pf.off)
-        for (int u = 0; u < 4; ++u) prefetch_row(k0 + u * ldk, D * int(sizeof(T)), pf);
+      const T* k4[4];
+      for (int u = 0; u < 4; ++u, c.next()) {
+        k4[u] = c.row();
+        if (pf) prefetch_key(c, k.every, 0, D * int(sizeof(T)));
+      }
       for (int r = 0; r < M; r += kR)
-        with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) { f(rows, k0, r, j); });
+        with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) { f(rows, k4, r, j); });
     }
     return j;
   }
@@ -413,13 +420,13 @@ struct Avx2Ops : GenericOps {
   // rows reads them, are widened once (16 at a time) into fp32 rows on the stack, which each
   // pair then reads: widening costs more than the FMAs it feeds.
   static constexpr int kWidenMaxD = 256;
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& pf) {
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
     constexpr bool e4m3 = std::is_same<T, e4m3_t>::value;
     alignas(32) float kf[e4m3 ? 4 * kWidenMaxD : 1];
     const bool widen = e4m3 && M > 2 && D <= kWidenMaxD && D % 16 == 0;
-    const int j = qk_key_groups<2>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
+    const int j = qk_key_groups<2>(k, nk, D, M, [&](auto rows, const T* const* k4, int r, int j) {
       constexpr int R = decltype(rows)::value;
       if constexpr (e4m3) {
         if (widen) {
@@ -427,16 +434,17 @@ struct Avx2Ops : GenericOps {
             for (int u = 0; u < 4; ++u)
               for (int d = 0; d < D; d += 16) {
                 __m256 lo, hi;
-                load16(k0 + u * ldk + d, &lo, &hi);
+                load16(k4[u] + d, &lo, &hi);
                 _mm256_store_ps(kf + u * D + d, lo), _mm256_store_ps(kf + u * D + d + 8, hi);
               }
-          return qk_4keys<float, R>(kf, D, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j,
+          const float* kf4[4] = {kf, kf + D, kf + 2 * D, kf + 3 * D};
+          return qk_4keys<float, R>(kf4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j,
                                     lds);
         }
       }
-      qk_4keys<T, R>(k0, ldk, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      qk_4keys<T, R>(k4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
     });
-    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+    if (j < nk) GenericOps::decode_qk(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).
@@ -447,10 +455,9 @@ struct Avx2Ops : GenericOps {
   // covers: over all chunks, the next block's rows, spread across the compute and a full block
   // ahead (a chunk pass takes only a few cycles per key, so a distance counted in keys of one
   // pass would not hide DRAM latency).
-  template <class T, int R>
-  static inline void pv_rows16(const T* v, int64_t ldv, int nk, const float* p, int ldp,
-                               float* acc, int ldacc, int d0, bool prefetch,
-                               const DecodePrefetch& pf) {
+  template <class Rows, int R, class T = typename Rows::Elem>
+  static inline void pv_rows16(const Rows& v, int nk, const float* p, int ldp,
+                               float* acc, int ldacc, int d0, bool prefetch) {
     __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
     __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
            c41 = c01, c50 = c00, c51 = c01;
@@ -461,10 +468,11 @@ struct Avx2Ops : GenericOps {
   }
     FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
 #undef FLASHSDPA_LD
-    prefetch = prefetch && prefetches_at<T>(pf, d0);
-    for (int j = 0; j < nk; ++j) {
-      const T* vj = v + j * ldv + d0;
-      if (prefetch) prefetch_row(vj, 16 * int(sizeof(T)), pf);
+    prefetch = prefetch && prefetches_at(v, d0);
+    auto c = v.cursor();
+    for (int j = 0; j < nk; ++j, c.next()) {
+      const T* vj = c.row() + d0;
+      if (prefetch) prefetch_key(c, v.every, d0 * int64_t(sizeof(T)), 16 * int(sizeof(T)));
       __m256 v0, v1;
       load16(vj, &v0, &v1);
 #define FLASHSDPA_ROW(i)                                                          \
@@ -486,19 +494,21 @@ struct Avx2Ops : GenericOps {
 #undef FLASHSDPA_ST
   }
 
-  template <class T>
-  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc, const DecodePrefetch& pf) {
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
     const int d64 = M == 1 ? Dv & ~63 : 0;
     for (int d0 = 0; d0 < d64; d0 += 64) {  // one row
       __m256 c0 = _mm256_loadu_ps(acc + d0), c1 = _mm256_loadu_ps(acc + d0 + 8);
       __m256 c2 = _mm256_loadu_ps(acc + d0 + 16), c3 = _mm256_loadu_ps(acc + d0 + 24);
       __m256 c4 = _mm256_loadu_ps(acc + d0 + 32), c5 = _mm256_loadu_ps(acc + d0 + 40);
       __m256 c6 = _mm256_loadu_ps(acc + d0 + 48), c7 = _mm256_loadu_ps(acc + d0 + 56);
-      for (int j = 0; j < nk; ++j) {
-        if (d0 == 0 && pf.off) prefetch_row(v + j * ldv, Dv * int(sizeof(T)), pf);
+      const bool pf = d0 == 0 && v.prefetches();
+      auto c = v.cursor();
+      for (int j = 0; j < nk; ++j, c.next()) {
+        if (pf) prefetch_key(c, v.every, 0, Dv * int(sizeof(T)));
         const __m256 pj = _mm256_broadcast_ss(p + j);
-        const T* vj = v + j * ldv + d0;
+        const T* vj = c.row() + d0;
         __m256 x[8];
         for (int u = 0; u < 4; ++u) load16(vj + 16 * u, &x[2 * u], &x[2 * u + 1]);
         c0 = _mm256_fmadd_ps(pj, x[0], c0), c1 = _mm256_fmadd_ps(pj, x[1], c1);
@@ -519,11 +529,11 @@ struct Avx2Ops : GenericOps {
       const bool first = r == 0;  // the first row group prefetches
       for (int d0 = d64; d0 < d16; d0 += 16) {
         with_rows<6>(R, [&](auto rows) {
-          pv_rows16<T, decltype(rows)::value>(v, ldv, nk, pr, ldp, ar, ldacc, d0, first, pf);
+          pv_rows16<Rows, decltype(rows)::value>(v, nk, pr, ldp, ar, ldacc, d0, first);
         });
       }
       if (d16 < Dv)  // the last dims, fewer than 16
-        GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);
+        GenericOps::decode_pv(v.shift(d16), nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);
     }
   }
 

@@ -339,7 +339,7 @@ struct Avx512Ops : Avx2Ops {
   // this is half the FMA instructions of the AVX2 trait's 8-dim qk_4keys, and an e4m3 cache's
   // widening, which costs more than the FMAs it feeds, is done on 16 lanes at once.)
   template <class T, int R>
-  static inline void qk_4keys16(const T* k0, int64_t ldk, int D, const float* q, int ldq,
+  static inline void qk_4keys16(const T* const* k4, int D, const float* q, int ldq,
                                 float* s, int lds) {
     __m512 a[R][4];
 #pragma GCC unroll 4
@@ -352,8 +352,8 @@ struct Avx512Ops : Avx2Ops {
       __m512 x[4][C];
 #pragma GCC unroll 4
       for (int u = 0; u < 4; ++u) {
-        if (t == 16) load16s<C>(k0 + u * ldk + d, x[u]);
-        else x[u][0] = load16_partial(k0 + u * ldk + d, t);
+        if (t == 16) load16s<C>(k4[u] + d, x[u]);
+        else x[u][0] = load16_partial(k4[u] + d, t);
       }
 #pragma GCC unroll 4
       for (int i = 0; i < R; ++i)
@@ -374,32 +374,33 @@ struct Avx512Ops : Avx2Ops {
     for (int i = 0; i < R; ++i) _mm_storeu_ps(s + int64_t(i) * lds, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
   }
 
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& pf) {
-    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const T* k0, int r, int j) {
-      qk_4keys16<T, decltype(rows)::value>(k0, ldk, D, q + int64_t(r) * ldq, ldq,
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    const int j = qk_key_groups<4>(k, nk, D, M, [&](auto rows, const T* const* k4, int r, int j) {
+      qk_4keys16<T, decltype(rows)::value>(k4, D, q + int64_t(r) * ldq, ldq,
                                            s + int64_t(r) * lds + j, lds);
     });
-    if (j < nk) GenericOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds);
+    if (j < nk) GenericOps::decode_qk(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // Decode P V with zmm accumulators: R rows x C vectors of 16 dims per pass, so a pass reads
   // 16 C contiguous dims of each V row (one row, C = 8: the whole 128-dim row, read once in
-  // order) and each widened V vector feeds R FMAs. With `prefetch` (the first row group), each
-  // row's lines as pf says.
-  template <class T, int R, int C>
-  static inline void pv_zmm(const T* v, int64_t ldv, int nk, const float* p, int ldp,
-                            float* acc, int ldacc, int d0, bool prefetch, const DecodePrefetch& pf) {
+  // order) and each widened V vector feeds R FMAs. With `prefetch` (the first row group), the
+  // lines the rows' pf table names.
+  template <class Rows, int R, int C, class T = typename Rows::Elem>
+  static inline void pv_zmm(const Rows& v, int nk, const float* p, int ldp,
+                            float* acc, int ldacc, int d0, bool prefetch) {
     __m512 c[R][C];
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
       for (int u = 0; u < C; ++u) c[r][u] = _mm512_loadu_ps(acc + int64_t(r) * ldacc + d0 + 16 * u);
-    prefetch = prefetch && prefetches_at<T>(pf, d0);
-    for (int j = 0; j < nk; ++j) {
-      const T* vj = v + int64_t(j) * ldv + d0;
-      if (prefetch) prefetch_row(vj, 16 * C * int(sizeof(T)), pf);
+    prefetch = prefetch && prefetches_at(v, d0);
+    auto cur = v.cursor();
+    for (int j = 0; j < nk; ++j, cur.next()) {
+      const T* vj = cur.row() + d0;
+      if (prefetch) prefetch_key(cur, v.every, d0 * int64_t(sizeof(T)), 16 * C * int(sizeof(T)));
       __m512 x[C];
       load16s<C>(vj, x);
 #pragma GCC unroll 6
@@ -417,27 +418,27 @@ struct Avx512Ops : Avx2Ops {
 
   // Dims in passes of 128 (one or two rows), 64 (up to six rows), then 16; the last dims, fewer
   // than 16, on the portable kernel (GenericOps::decode_pv), as in the AVX2 trait.
-  template <class T, int R>
-  static void pv_zmm_group(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                           float* acc, int ldacc, bool prefetch, const DecodePrefetch& pf) {
+  template <class Rows, int R>
+  static void pv_zmm_group(const Rows& v, int nk, int Dv, const float* p, int ldp,
+                           float* acc, int ldacc, bool prefetch) {
     constexpr int C = R <= 2 ? 8 : 4;
     const int d16 = Dv & ~15;
     int d0 = 0;
     for (; d0 + 16 * C <= d16; d0 += 16 * C)
-      pv_zmm<T, R, C>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch, pf);
-    for (; d0 < d16; d0 += 16) pv_zmm<T, R, 1>(v, ldv, nk, p, ldp, acc, ldacc, d0, prefetch, pf);
+      pv_zmm<Rows, R, C>(v, nk, p, ldp, acc, ldacc, d0, prefetch);
+    for (; d0 < d16; d0 += 16) pv_zmm<Rows, R, 1>(v, nk, p, ldp, acc, ldacc, d0, prefetch);
     if (d16 < Dv)
-      GenericOps::decode_pv(v + d16, ldv, nk, Dv - d16, p, ldp, R, acc + d16, ldacc);
+      GenericOps::decode_pv(v.shift(d16), nk, Dv - d16, p, ldp, R, acc + d16, ldacc);
   }
 
-  template <class T>
-  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc, const DecodePrefetch& pf) {
+  template <class Rows>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
     for (int r = 0; r < M; r += 6) {
       const float* pr = p + int64_t(r) * ldp;
       float* ar = acc + int64_t(r) * ldacc;
       with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
-        pv_zmm_group<T, decltype(rows)::value>(v, ldv, nk, Dv, pr, ldp, ar, ldacc, r == 0, pf);
+        pv_zmm_group<Rows, decltype(rows)::value>(v, nk, Dv, pr, ldp, ar, ldacc, r == 0);
       });
     }
   }
@@ -493,11 +494,11 @@ struct Avx512Fp16PvOps : Avx512Ops {
   }
 
   // acc[r][d0 .. d0 + n) += sum_j ph[r][j] v_j for R rows, C chunks of 64 dims (n > 64 (C - 1)).
-  template <int R, int C>
-  static inline void pv_pass(const e4m3_t* v, int64_t ldv, int nk, const _Float16* ph,
-                             float* acc, int ldacc, int d0, int n, bool prefetch,
-                             const DecodePrefetch& pf) {
-    prefetch = prefetch && prefetches_at<e4m3_t>(pf, d0);
+  template <int R, int C, class Rows>
+  static inline void pv_pass(const Rows& v, int nk, const _Float16* ph,
+                             float* acc, int ldacc, int d0, int n, bool prefetch) {
+    prefetch = prefetch && prefetches_at(v, d0);
+    auto cur = v.cursor();
     for (int j0 = 0; j0 < nk; j0 += kRun) {
       const int j1 = nk - j0 < kRun ? nk : j0 + kRun;
       __m512h c[R][2 * C];
@@ -505,9 +506,9 @@ struct Avx512Fp16PvOps : Avx512Ops {
       for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
         for (int u = 0; u < 2 * C; ++u) c[r][u] = _mm512_setzero_ph();
-      for (int j = j0; j < j1; ++j) {
-        const e4m3_t* vj = v + int64_t(j) * ldv + d0;
-        if (prefetch) prefetch_row(vj, n, pf);
+      for (int j = j0; j < j1; ++j, cur.next()) {
+        const e4m3_t* vj = cur.row() + d0;
+        if (prefetch) prefetch_key(cur, v.every, d0, n);
         __m512h x[2 * C];
 #pragma GCC unroll 2
         for (int h = 0; h < C; ++h) {
@@ -531,8 +532,10 @@ struct Avx512Fp16PvOps : Avx512Ops {
 
   // Rows in groups of up to 6, keys in chunks of kChunk (P rounded to fp16 first), dims in
   // passes of 128 (up to four rows) or 64, the last one shorter.
-  static void decode_pv(const e4m3_t* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                        int M, float* acc, int ldacc, const DecodePrefetch& pf) {
+  template <class Rows>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp,
+                        int M, float* acc, int ldacc) {
+    static_assert(std::is_same<typename Rows::Elem, e4m3_t>::value, "float8_e4m3fn V");
     alignas(64) _Float16 ph[6 * kChunk];
     for (int r = 0; r < M; r += 6) {
       const int rows = M - r < 6 ? M - r : 6;
@@ -545,16 +548,16 @@ struct Avx512Fp16PvOps : Avx512Ops {
             _mm256_mask_storeu_epi16(ph + i * kChunk + j, k,
                                      _mm256_castph_si256(_mm512_cvtxps_ph(pv)));
           }
-        const e4m3_t* vk = v + int64_t(k0) * ldv;
+        const Rows vk = v.from(k0);
         float* ar = acc + int64_t(r) * ldacc;
         const bool first = r == 0;
         with_rows<6>(rows, [&](auto R) {
           constexpr int kR = decltype(R)::value, C = kR <= 4 ? 2 : 1;
           int d0 = 0;
           for (; d0 + 64 * C <= Dv; d0 += 64 * C)
-            pv_pass<kR, C>(vk, ldv, kn, ph, ar, ldacc, d0, 64 * C, first, pf);
+            pv_pass<kR, C>(vk, kn, ph, ar, ldacc, d0, 64 * C, first);
           for (; d0 < Dv; d0 += 64)
-            pv_pass<kR, 1>(vk, ldv, kn, ph, ar, ldacc, d0, Dv - d0 < 64 ? Dv - d0 : 64, first, pf);
+            pv_pass<kR, 1>(vk, kn, ph, ar, ldacc, d0, Dv - d0 < 64 ? Dv - d0 : 64, first);
         });
       }
     }

@@ -25,6 +25,7 @@ namespace FLASHSDPA_TIER_NS {
 
 inline uint16_t* bf16_words(float* p) { return reinterpret_cast<uint16_t*>(p); }
 inline const uint16_t* bf16_words(const float* p) { return reinterpret_cast<const uint16_t*>(p); }
+inline const uint16_t* bf16_words(const bf16_t* p) { return reinterpret_cast<const uint16_t*>(p); }
 
 template <class T>
 inline uint16_t to_bf16_bits(T v) {
@@ -294,8 +295,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // Four keys x two query rows: 8 zmm accumulators over 32-wide chunks of the head dim; each
   // accumulator is folded to 8 lanes and four of them summed by a hadd tree.
   template <bool kTwo>
-  static inline void qk_4keys_bf16(const uint16_t* k0, int64_t ldk, int D, const uint16_t* q0,
+  static inline void qk_4keys_bf16(const uint16_t* const* k4, int D, const uint16_t* q0,
                                    const uint16_t* q1, float* s0, float* s1) {
+    const uint16_t *k0 = k4[0], *k1 = k4[1], *k2 = k4[2], *k3 = k4[3];
     const __m512 z = _mm512_setzero_ps();
     __m512 a0 = z, a1 = z, a2 = z, a3 = z, b0 = z, b1 = z, b2 = z, b3 = z;
     const auto step = [&](__m512i v0, __m512i v1, __m512i v2, __m512i v3, __m512i qa,
@@ -313,42 +315,45 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     };
     int d = 0;
     for (; d + 32 <= D; d += 32)
-      step(_mm512_loadu_si512(k0 + d), _mm512_loadu_si512(k0 + ldk + d),
-           _mm512_loadu_si512(k0 + 2 * ldk + d), _mm512_loadu_si512(k0 + 3 * ldk + d),
+      step(_mm512_loadu_si512(k0 + d), _mm512_loadu_si512(k1 + d),
+           _mm512_loadu_si512(k2 + d), _mm512_loadu_si512(k3 + d),
            _mm512_loadu_si512(q0 + d), kTwo ? _mm512_loadu_si512(q1 + d) : _mm512_setzero_si512());
     if (d < D) {  // masked: missing elements (and half pairs) read as 0
       const __mmask32 m = __mmask32((1ull << (D - d)) - 1u);
-      step(_mm512_maskz_loadu_epi16(m, k0 + d), _mm512_maskz_loadu_epi16(m, k0 + ldk + d),
-           _mm512_maskz_loadu_epi16(m, k0 + 2 * ldk + d),
-           _mm512_maskz_loadu_epi16(m, k0 + 3 * ldk + d), _mm512_maskz_loadu_epi16(m, q0 + d),
+      step(_mm512_maskz_loadu_epi16(m, k0 + d), _mm512_maskz_loadu_epi16(m, k1 + d),
+           _mm512_maskz_loadu_epi16(m, k2 + d), _mm512_maskz_loadu_epi16(m, k3 + d),
+           _mm512_maskz_loadu_epi16(m, q0 + d),
            kTwo ? _mm512_maskz_loadu_epi16(m, q1 + d) : _mm512_setzero_si512());
     }
     _mm_storeu_ps(s0, reduce4(a0, a1, a2, a3));
     if (kTwo) _mm_storeu_ps(s1, reduce4(b0, b1, b2, b3));
   }
 
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& pf) {
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
     int j = 0;
     if constexpr (std::is_same<T, bf16_t>::value) {
-      const uint16_t* kb = reinterpret_cast<const uint16_t*>(k);
+      const bool pf = k.prefetches();
+      auto c = k.cursor();
       for (; j + 4 <= nk; j += 4) {
-        const uint16_t* k0 = kb + j * ldk;
-        if (pf.off)
-          for (int u = 0; u < 4; ++u) prefetch_row(k0 + u * ldk, 2 * D, pf);
+        const uint16_t* kw[4];
+        for (int u = 0; u < 4; ++u, c.next()) {
+          kw[u] = bf16_words(c.row());
+          if (pf) prefetch_key(c, k.every, 0, 2 * D);
+        }
         int r = 0;
         for (; r + 2 <= M; r += 2)
-          qk_4keys_bf16<true>(k0, ldk, D, bf16_words(q + int64_t(r) * ldq),
+          qk_4keys_bf16<true>(kw, D, bf16_words(q + int64_t(r) * ldq),
                               bf16_words(q + int64_t(r + 1) * ldq), s + int64_t(r) * lds + j,
                               s + int64_t(r + 1) * lds + j);
         if (r < M)
-          qk_4keys_bf16<false>(k0, ldk, D, bf16_words(q + int64_t(r) * ldq), nullptr,
+          qk_4keys_bf16<false>(kw, D, bf16_words(q + int64_t(r) * ldq), nullptr,
                                s + int64_t(r) * lds + j, nullptr);
       }
     }
     for (; j < nk; ++j) {  // the last keys (and other dtypes, which this tier never runs)
-      const T* kj = k + j * ldk;
+      const T* kj = k.row(j);
       for (int r = 0; r < M; ++r) {
         const uint16_t* qr = bf16_words(q + int64_t(r) * ldq);
         float sum = 0.0f;
@@ -382,11 +387,12 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
-  // With `prefetch`, each row's lines as pf says, as the widening path does.
-  // The accumulators of R rows x C chunks from d0, in unpack order (and back).
+  // With `prefetch`, each row's lines its row source names (pf_row), as the widening path does.
+  // The accumulators of R rows x C chunks from d0, in unpack order (and back); always inlined,
+  // so that they stay in registers (called out of line, they went through memory).
   template <int R, int C>
-  static inline void load_pair_acc(const float* acc, int ldacc, int d0, __m512 (*lo)[C],
-                                   __m512 (*hi)[C]) {
+  __attribute__((always_inline)) static inline void load_pair_acc(
+      const float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {
     const __m512i il = pv_idx_lo(), ih = pv_idx_hi();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -399,8 +405,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       }
   }
   template <int R, int C>
-  static inline void store_pair_acc(float* acc, int ldacc, int d0, __m512 (*lo)[C],
-                                    __m512 (*hi)[C]) {
+  __attribute__((always_inline)) static inline void store_pair_acc(
+      float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {
     const __m512i o0 = pv_idx_out0(), o1 = pv_idx_out1();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
@@ -433,10 +439,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     }
   }
 
-  template <int R, int C>
-  static inline void pv_pairs(const uint16_t* v, int64_t ldv, int nk, const uint32_t* pw,
-                              int ldpw, float* acc, int ldacc, int d0, bool prefetch,
-                              const DecodePrefetch& pf) {
+  template <int R, int C, class Rows>
+  static inline void pv_pairs(const Rows& v, int nk, const uint32_t* pw,
+                              int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
     const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
@@ -448,33 +453,36 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       }
       pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
     };
-    prefetch = prefetch && prefetches_at<uint16_t>(pf, d0);
+    prefetch = prefetch && prefetches_at(v, d0);
     const int np = nk / 2;
+    const int64_t at = 2 * int64_t(d0);  // (bytes)
+    auto c = v.cursor();
+    const auto take = [&] {  // the cursor's row from d0, prefetching as asked; then the next key
+      const uint16_t* r = bf16_words(c.row()) + d0;
+      if (prefetch) prefetch_key(c, v.every, at, 64 * C);
+      c.next();
+      return r;
+    };
     for (int jp = 0; jp < np; ++jp) {
-      const uint16_t* va = v + int64_t(2 * jp) * ldv + d0;
-      if (prefetch) prefetch_row(va, 64 * C, pf), prefetch_row(va + ldv, 64 * C, pf);
-      step(va, va + ldv, jp);
+      const uint16_t* va = take();
+      step(va, take(), jp);
     }
-    if (nk & 1) {  // the last key: pair (V, 0)
-      const uint16_t* va = v + int64_t(nk - 1) * ldv + d0;
-      if (prefetch) prefetch_row(va, 64 * C, pf);
-      step(va, nullptr, np);
-    }
+    if (nk & 1) step(take(), nullptr, np);  // the last key: pair (V, 0)
     store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }
 
   // Rows in groups of up to 6; per group the dims in chunks of 128 (one or two rows: 8 or 16
   // accumulators) or 64 (more rows: up to 24), then 32; dims past the last whole 32 take the
   // widening path on the fp32 P.
-  template <int R>
-  static void pv_group(const uint16_t* v, int64_t ldv, int nk, int Dv, const uint32_t* pw,
-                       int ldpw, float* acc, int ldacc, bool prefetch, const DecodePrefetch& pf) {
+  template <int R, class Rows>
+  static void pv_group(const Rows& v, int nk, int Dv, const uint32_t* pw,
+                       int ldpw, float* acc, int ldacc, bool prefetch) {
     constexpr int C = R <= 2 ? 4 : 2;
     const int d32 = Dv & ~31;
     int d0 = 0;
     for (; d0 + 32 * C <= d32; d0 += 32 * C)
-      pv_pairs<R, C>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch, pf);
-    for (; d0 < d32; d0 += 32) pv_pairs<R, 1>(v, ldv, nk, pw, ldpw, acc, ldacc, d0, prefetch, pf);
+      pv_pairs<R, C>(v, nk, pw, ldpw, acc, ldacc, d0, prefetch);
+    for (; d0 < d32; d0 += 32) pv_pairs<R, 1>(v, nk, pw, ldpw, acc, ldacc, d0, prefetch);
   }
 
   static constexpr int kPvKeys = 256;  // keys per pass (the P pairs of 6 rows on the stack)
@@ -482,10 +490,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // P V over pairs of keys, kPvKeys keys per pass: P rows to bf16 pairs, then per group of up
   // to 6 rows group(rows, V rows of the pass, keys, pw, ldpw, acc rows, prefetch) for the dims
   // in whole 32s; the last dims, fewer than 32, widened against the fp32 P.
-  template <class T, class Group>
-  static void decode_pv_pairs(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                              int M, float* acc, int ldacc, const DecodePrefetch& pf,
-                              Group&& group) {
+  template <class Rows, class Group>
+  static void decode_pv_pairs(const Rows& v, int nk, int Dv, const float* p, int ldp,
+                              int M, float* acc, int ldacc, Group&& group) {
     const int d32 = Dv & ~31;
     constexpr int ldpw = kPvKeys / 2 + 8;
     alignas(64) uint32_t pw[6 * ldpw];
@@ -503,27 +510,25 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
           }
         }
         with_rows<6>(R, [&](auto rows) {
-          group(rows, v + int64_t(j0) * ldv, n, pw, ldpw, acc + int64_t(r) * ldacc, r == 0);
+          group(rows, v.from(j0), n, pw, ldpw, acc + int64_t(r) * ldacc, r == 0);
         });
       }
       if (d32 < Dv)  // the last dims, fewer than 32: V widened, P in fp32
-        Avx512Ops::decode_pv(v + int64_t(j0) * ldv + d32, ldv, n, Dv - d32, p + j0, ldp, M,
-                             acc + d32, ldacc, pf);
+        Avx512Ops::decode_pv(v.from(j0).shift(d32), n, Dv - d32, p + j0, ldp, M, acc + d32,
+                             ldacc);
     }
   }
 
-  template <class T>
-  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc, const DecodePrefetch& pf) {
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
     if constexpr (!std::is_same<T, bf16_t>::value) {  // other dtypes never run on this tier
-      Avx512Ops::decode_pv(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf);
+      Avx512Ops::decode_pv(v, nk, Dv, p, ldp, M, acc, ldacc);
     } else {
-      decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf,
-                      [&](auto rows, const bf16_t* vj, int n, const uint32_t* pw, int ldpw,
+      decode_pv_pairs(v, nk, Dv, p, ldp, M, acc, ldacc,
+                      [&](auto rows, const Rows& vj, int n, const uint32_t* pw, int ldpw,
                           float* ar, bool first) {
-                        pv_group<decltype(rows)::value>(reinterpret_cast<const uint16_t*>(vj),
-                                                        ldv, n, Dv, pw, ldpw, ar, ldacc, first,
-                                                        pf);
+                        pv_group<decltype(rows)::value>(vj, n, Dv, pw, ldpw, ar, ldacc, first);
                       });
     }
   }
@@ -586,7 +591,7 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
 
   // s[r][j .. j+3] for 4 keys x R rows (bf16 Q words), 64 dims per step, 4R accumulators.
   template <int R>
-  static inline void qk_4keys(const Lut& t, const e4m3_t* k0, int64_t ldk, int D, const float* q,
+  static inline void qk_4keys(const Lut& t, const e4m3_t* const* k4, int D, const float* q,
                               int ldq, float* s, int lds) {
     __m512 a[R][4];
 #pragma GCC unroll 4
@@ -597,7 +602,7 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
       const int n = D - d < 64 ? D - d : 64;
       __m512i k[4][2];
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) t.widen(k0 + u * ldk + d, n, &k[u][0], &k[u][1]);
+      for (int u = 0; u < 4; ++u) t.widen(k4[u] + d, n, &k[u][0], &k[u][1]);
       const __mmask32 m0 = n >= 32 ? ~0u : (1u << n) - 1u;
       const __mmask32 m1 = n >= 64 ? ~0u : (n > 32 ? (1u << (n - 32)) - 1u : 0u);
 #pragma GCC unroll 4
@@ -615,23 +620,25 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     for (int i = 0; i < R; ++i) _mm_storeu_ps(s + int64_t(i) * lds, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
   }
 
-  static void decode_qk(const e4m3_t* k, int64_t ldk, int nk, int D, const float* q, int ldq,
-                        int M, float* s, int lds, const DecodePrefetch& pf) {
+  template <class Rows>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq,
+                        int M, float* s, int lds) {
     const Lut t;
-    const int j = qk_key_groups<4>(k, ldk, nk, D, M, pf, [&](auto rows, const e4m3_t* k0, int r, int j) {
-      qk_4keys<decltype(rows)::value>(t, k0, ldk, D, q + int64_t(r) * ldq, ldq,
+    const int j = qk_key_groups<4>(k, nk, D, M, [&](auto rows, const e4m3_t* const* k4, int r,
+                                                    int j) {
+      qk_4keys<decltype(rows)::value>(t, k4, D, q + int64_t(r) * ldq, ldq,
                                       s + int64_t(r) * lds + j, lds);
     });
     if (j < nk)  // the last keys, one by one against the bf16 Q words
-      Avx512Bf16DecodeOps::decode_qk(k + j * ldk, ldk, nk - j, D, q, ldq, M, s + j, lds, pf);
+      Avx512Bf16DecodeOps::decode_qk(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), V widened 64 dims at a
   // time: R rows x C chunks of 32 dims from d0 (C = 1: the chunk's 32 bytes only).
-  template <int R, int C>
-  static inline void pv_pairs(const Lut& t, const e4m3_t* v, int64_t ldv, int nk,
+  template <int R, int C, class Rows>
+  static inline void pv_pairs(const Lut& t, const Rows& v, int nk,
                               const uint32_t* pw, int ldpw, float* acc, int ldacc, int d0,
-                              bool prefetch, const DecodePrefetch& pf) {
+                              bool prefetch) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
     const auto widen = [&](const e4m3_t* row, __m512i* x) {
@@ -643,15 +650,18 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
 #pragma GCC unroll 2
       for (int c = 0; c < C; c += 2) t.widen(row + 32 * c, C == 1 ? 32 : 64, &x[c], C == 1 ? &spare : &x[c + 1]);
     };
-    prefetch = prefetch && prefetches_at<e4m3_t>(pf, d0);
+    prefetch = prefetch && prefetches_at(v, d0);
     const int np = (nk + 1) / 2;
+    auto c = v.cursor();
+    const auto take = [&] {  // the cursor's row from d0, prefetching as asked; then the next key
+      const e4m3_t* r = c.row() + d0;
+      if (prefetch) prefetch_key(c, v.every, d0, 32 * C);
+      c.next();
+      return r;
+    };
     for (int jp = 0; jp < np; ++jp) {
-      const e4m3_t* va = v + int64_t(2 * jp) * ldv + d0;
-      const e4m3_t* vb = 2 * jp + 1 < nk ? va + ldv : nullptr;  // the last key: pair (V, 0)
-      if (prefetch) {
-        prefetch_row(va, 32 * C, pf);
-        if (vb) prefetch_row(vb, 32 * C, pf);
-      }
+      const e4m3_t* va = take();
+      const e4m3_t* vb = 2 * jp + 1 < nk ? take() : nullptr;  // the last key: pair (V, 0)
       __m512i x[C], y[C];
       widen(va, x);
       widen(vb, y);
@@ -660,19 +670,20 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }
 
-  static void decode_pv(const e4m3_t* v, int64_t ldv, int nk, int Dv, const float* p, int ldp,
-                        int M, float* acc, int ldacc, const DecodePrefetch& pf) {
+  template <class Rows>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp,
+                        int M, float* acc, int ldacc) {
     const Lut t;
-    decode_pv_pairs(v, ldv, nk, Dv, p, ldp, M, acc, ldacc, pf, [&](auto rows, const e4m3_t* vj, int n,
-                                                               const uint32_t* pw, int ldpw,
-                                                               float* ar, bool first) {
+    decode_pv_pairs(v, nk, Dv, p, ldp, M, acc, ldacc, [&](auto rows, const Rows& vj,
+                                                          int n, const uint32_t* pw, int ldpw,
+                                                          float* ar, bool first) {
       constexpr int kR = decltype(rows)::value;
       constexpr int C = kR <= 2 ? 4 : 2;
       const int d32 = Dv & ~31;
       int d0 = 0;
       for (; d0 + 32 * C <= d32; d0 += 32 * C)
-        pv_pairs<kR, C>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, first, pf);
-      for (; d0 < d32; d0 += 32) pv_pairs<kR, 1>(t, vj, ldv, n, pw, ldpw, ar, ldacc, d0, first, pf);
+        pv_pairs<kR, C>(t, vj, n, pw, ldpw, ar, ldacc, d0, first);
+      for (; d0 < d32; d0 += 32) pv_pairs<kR, 1>(t, vj, n, pw, ldpw, ar, ldacc, d0, first);
     });
   }
 };

@@ -9,7 +9,8 @@
 //       DecodeMerge: per (b, hkv), rows merged over the splits in order:
 //         m* = max_s m_s;  l = sum_s 2^(m_s - m*) l_s;  out = sum_s 2^(m_s - m*) acc_s / l
 //   * K and V rows are read in place (any row stride: a padded cache view is never copied; a
-//     paged cache a run of keys within one page at a time),
+//     paged cache's rows through a table of row pointers filled a block at a time, TableRows,
+//     so that the kernels cross its pages without leaving their loops),
 //     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv
 //     (float8 V, where the plan says so, in fp16: the fp16_pv trait of DecodeOpsOf).
 //     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
@@ -76,16 +77,15 @@ struct FlashDecode {
     return max64(1, ceil_div(span_end(p) - span_begin(p), split_len(p)));
   }
 
-  // Prefetches (DecodePrefetch, bytes apart in a row): K rows one per line; V rows too, but in
-  // light decode (light_decode: little compute per byte) one per fourth line, as the hardware
-  // streamer follows the software prefetches and fetches the lines between, and fewer prefetch
-  // instructions let the loads run further ahead (sparser was slower with more rows).
+  // Prefetches (the row sources' `every`, bytes apart in a row): K rows one per line; V rows
+  // too, but in light decode (light_decode: little compute per byte) one per fourth line, as the
+  // hardware streamer follows the software prefetches and fetches the lines between, and fewer
+  // prefetch instructions let the loads run further ahead (sparser was slower with more rows).
   static int prefetch_every(const AttnParams& p, bool v) { return v && light_decode(p) ? 256 : 64; }
 
-  // Paged caches are read in place, a run of keys within one page at a time, when pages hold
-  // a multiple of 16 keys (runs long enough for the kernels' groups of keys and passes);
-  // smaller or odd pages are copied into the thread's scratch first, a block of keys at a
-  // time (gather_rows).
+  // Paged caches are read in place when pages hold a multiple of 16 keys; smaller or odd pages
+  // are copied into the thread's scratch first, a block of keys at a time (gather_rows), where
+  // the hardware's streams find them contiguous.
   static bool gathers(const AttnParams& p) { return p.page_size > 0 && p.page_size % 16 != 0; }
 
   // K or V as read in place: key j of kv head hk of batch b at row_at(p, side, b, hk, j).
@@ -112,29 +112,28 @@ struct FlashDecode {
     return v ? block_keys(p) : min64(block_keys(p), kKAheadKeys);
   }
 
-  // The keys [j0, j0 + nk) of a block in runs f(a, r, n, pf) of keys a .. a + n - 1 with
-  // equally spaced rows, the first at r (one run unless paged); pf prefetches the keys `dist`
-  // on (none past the sequence's keys: the block table is read no further).
-  template <class F>
-  static void block_runs(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j0,
-                         int nk, int64_t dist, int every, F&& f) {
-    const auto pf_to = [&](const KV* r, int64_t a) {
-      if (a + dist >= p.Lk) return DecodePrefetch{0, every};
-      const char* t = reinterpret_cast<const char*>(row_at(p, s, b, hk, a + dist));
-      return DecodePrefetch{t - reinterpret_cast<const char*>(r), every};
-    };
-    if (p.page_size == 0) {
-      const KV* r = row_at(p, s, b, hk, j0);
-      return f(j0, r, nk, pf_to(r, j0));
+  // out[c] = the row of key j0 + c of kv head hk (c < n), a page at a time (one block table
+  // entry a page, none past key j0 + n - 1).
+  static void fill_rows(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j0,
+                        int n, const KV** out) {
+    const int64_t ps = p.page_size > 0 ? p.page_size : int64_t(1) << 62;
+    for (int c = 0; c < n;) {
+      const KV* r = row_at(p, s, b, hk, j0 + c);
+      const int run = int(min64(n - c, ps - (j0 + c) % ps));
+      for (int i = 0; i < run; ++i) out[c + i] = r + i * s.sl;
+      c += run;
     }
-    const int64_t ps = p.page_size;
-    for (int64_t a = j0; a < j0 + nk;) {
-      int64_t n = min64(j0 + nk - a, ps - a % ps);
-      if (a + dist < p.Lk) n = min64(n, ps - (a + dist) % ps);  // the target rows in one page too
-      const KV* r = row_at(p, s, b, hk, a);
-      f(a, r, int(n), pf_to(r, a));
-      a += n;
-    }
+  }
+  // A block's keys [j0, j0 + nk) of kv head hk as the kernels read them: their rows, and the
+  // rows `dist` keys on to prefetch meanwhile (none past the sequence's keys).
+  static TableRows<KV> block_rows(const AttnParams& p, const Side& s, int64_t b, int64_t hk,
+                                  int64_t j0, int nk, int64_t dist, int every, const KV** at,
+                                  const KV** pf) {
+    fill_rows(p, s, b, hk, j0, nk, at);
+    const int n_pf = int(max64(0, min64(nk, p.Lk - j0 - dist)));
+    fill_rows(p, s, b, hk, j0 + dist, n_pf, pf);
+    for (int c = n_pf; c < nk; ++c) pf[c] = nullptr;
+    return TableRows<KV>{at, pf, 0, every};
   }
 
   // One thread's buffers over its scratch (null: sizes only, in total); q, s, acc, m, l for
@@ -142,6 +141,7 @@ struct FlashDecode {
   struct Layout {
     int ldq, lds, ldacc;
     float *q, *s, *acc, *m, *l, *mask;
+    const KV **k_at, **k_pf, **v_at, **v_pf;  // a block's row tables (block_rows)
     KV* kv;  // gathered: one block of K or V rows, head after head
     int64_t total;
     Layout(const AttnParams& p, float* scratch = nullptr) {
@@ -156,6 +156,11 @@ struct FlashDecode {
       m = c.take(M);
       l = c.take(M);
       mask = c.take(M * lds);
+      const auto table = [&] {  // nb row pointers (TableRows: paged caches read in place)
+        const int64_t n = p.page_size > 0 && !gathers(p) ? nb : 0;
+        return reinterpret_cast<const KV**>(c.take(n * int64_t(sizeof(KV*) / sizeof(float))));
+      };
+      k_at = table(), k_pf = table(), v_at = table(), v_pf = table();
       kv = reinterpret_cast<KV*>(c.take(
           gathers(p) ? ceil_div(nb * max64(span(p, p.k_sh, p.D), span(p, p.v_sh, p.Dv)) *
                                     int64_t(sizeof(KV)), 4)
@@ -250,55 +255,52 @@ struct FlashDecode {
       const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
       if (!std::is_same<O, Ops>::value) count_path(p, &PathCounters::decode_fp16_pv_blocks, 1);
-      if (gather) {
-        count_path(p, &PathCounters::decode_gathered_blocks, 1);
-        gather_rows(p, ks, b, hk0, j0, nk, p.D, L.kv);
-      }
-      bool any_head = false;
-      for (int e = 0; e < nh; ++e) {
-        const int64_t hk = hk0 + e;
-        float* s = L.s + e * M * L.lds;
-        const float* q = L.q + e * M * L.ldq;
-        if (gather)
-          O::decode_qk(L.kv + e * p.k_sh, span(p, p.k_sh, p.D), nk, int(p.D), q, L.ldq,
-                       int(M), s, L.lds, DecodePrefetch{});
-        else
-          block_runs(p, ks, b, hk, j0, nk, ahead(p, false), prefetch_every(p, false),
-                     [&](int64_t a, const KV* k, int n, const DecodePrefetch& pf) {
-                       O::decode_qk(k, p.k_sl, n, int(p.D), q, L.ldq, int(M), s + (a - j0),
-                                    L.lds, pf);
-                     });
-        any[e] = false;
-        for (int64_t r = 0; r < M; ++r) {
-          const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
-          float* madd = nullptr;
-          if (p.mask_type != MaskType::None) {
-            madd = L.mask + er * L.lds;
-            mask_row_log2(p, b, h, i, j0, nk, madd);
-          }
-          RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
-          rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
-          any[e] |= online_softmax_row<O>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
-                                          L.acc + er * L.ldacc, int(p.Dv));
+      // The block's rows of kv head hk0 (head hk0 + e: shifted by e * sh) to f, in the form
+      // the cache takes: equally spaced (contiguous; gathered pages) or a table (paged).
+      const auto with_rows = [&](const Side& side, int64_t width, bool v, const KV** at,
+                                 const KV** pf, auto&& f) {
+        const int64_t dist = ahead(p, v);
+        const int every = prefetch_every(p, v);
+        if (gather) {
+          gather_rows(p, side, b, hk0, j0, nk, width, L.kv);
+          return f(StridedRows<KV>{L.kv, span(p, side.sh, width), 0, every});
         }
-        any_head |= any[e];
-      }
+        if (p.page_size == 0)  // (no prefetches from a block whose first target is past the keys)
+          return f(StridedRows<KV>{row_at(p, side, b, hk0, j0), side.sl,
+                                   j0 + dist < p.Lk ? dist * side.sl : 0, every});
+        return f(block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf));
+      };
+      if (gather) count_path(p, &PathCounters::decode_gathered_blocks, 1);
+      bool any_head = false;
+      with_rows(ks, p.D, false, L.k_at, L.k_pf, [&](const auto& kr) {
+        for (int e = 0; e < nh; ++e) {
+          const int64_t hk = hk0 + e;
+          float* s = L.s + e * M * L.lds;
+          O::decode_qk(kr.shift(e * p.k_sh), nk, int(p.D), L.q + e * M * L.ldq, L.ldq, int(M),
+                       s, L.lds);
+          any[e] = false;
+          for (int64_t r = 0; r < M; ++r) {
+            const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
+            float* madd = nullptr;
+            if (p.mask_type != MaskType::None) {
+              madd = L.mask + er * L.lds;
+              mask_row_log2(p, b, h, i, j0, nk, madd);
+            }
+            RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
+            rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
+            any[e] |= online_softmax_row<O>(s + r * L.lds, nk, rs, &L.m[er], &L.l[er],
+                                            L.acc + er * L.ldacc, int(p.Dv));
+          }
+          any_head |= any[e];
+        }
+      });
       if (!any_head) continue;
-      if (gather) gather_rows(p, vs, b, hk0, j0, nk, p.Dv, L.kv);
-      for (int e = 0; e < nh; ++e) {
-        if (!any[e]) continue;
-        const float* pe = L.s + e * M * L.lds;
-        float* acc = L.acc + e * M * L.ldacc;
-        if (gather)
-          O::decode_pv(L.kv + e * p.v_sh, span(p, p.v_sh, p.Dv), nk, int(p.Dv), pe, L.lds,
-                       int(M), acc, L.ldacc, DecodePrefetch{});
-        else
-          block_runs(p, vs, b, hk0 + e, j0, nk, ahead(p, true), prefetch_every(p, true),
-                     [&](int64_t a, const KV* v, int n, const DecodePrefetch& pf) {
-                       O::decode_pv(v, p.v_sl, n, int(p.Dv), pe + (a - j0), L.lds, int(M),
-                                    acc, L.ldacc, pf);
-                     });
-      }
+      with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
+        for (int e = 0; e < nh; ++e)
+          if (any[e])
+            O::decode_pv(vr.shift(e * p.v_sh), nk, int(p.Dv), L.s + e * M * L.lds, L.lds, int(M),
+                         L.acc + e * M * L.ldacc, L.ldacc);
+      });
     }
     const int64_t ld_part = L.ldacc + 2;
     for (int e = 0; e < nh; ++e) {  // partial (b, hk, sp), as the merge reads them

@@ -368,14 +368,62 @@ inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, co
                         ldp16);                                                              \
   }
 
-// What the decode kernels prefetch while they read a block of K or V rows: for each row (the
-// part of it they read), the lines at byte offset `off` from it, one line per `every` bytes;
-// off 0: nothing. The caller points `off` at the same row of its next block, wherever its
-// cache keeps that (the rows that follow, or another page), so that block is on its way while
-// this one computes.
-struct DecodePrefetch {
-  int64_t off = 0;
-  int every = 64;
+// The K or V rows of keys [0, n) as the decode kernels read them (flash_decode.h), in one of
+// two forms with one interface, the kernels templated on it:
+//   row(j)         key j's row (where the kernel's columns start: `shift`)
+//   from(j)        the rows of keys j ..;  shift(d): their columns from d
+//   cursor(j)      a walk over keys j, j + 1, ... for the kernels' loops: row(), next(), and,
+//                  where prefetches(), pf_row(): the row to prefetch while this key's is read
+//                  (the same key of the next block; null where kPfGaps: none), one line per
+//                  `every` bytes of the part the kernel reads
+// StridedRows: rows `ld` elements apart (a contiguous cache, a gathered block), pf_row `pf`
+// elements on (0: none); its cursor steps a pointer, as the loops over a contiguous cache
+// always did (computing each key's row costs the loops registers they do not have to spare).
+// TableRows: a table of row pointers (a paged cache's, filled a block at a time, so that the
+// kernels cross its pages without leaving their loops), `off` elements into each; its cursor
+// is an index into the tables.
+template <class T>
+struct StridedRows {
+  using Elem = T;
+  const T* base;
+  int64_t ld, pf;
+  int every;
+  const T* row(int j) const { return base + j * ld; }
+  bool prefetches() const { return pf != 0; }
+  struct Cursor {
+    static constexpr bool kPfGaps = false;
+    const T* r;
+    int64_t ld, pf;
+    const T* row() const { return r; }
+    const T* pf_row() const { return r + pf; }
+    void next() { r += ld; }
+  };
+  Cursor cursor(int j = 0) const { return {row(j), ld, pf}; }
+  StridedRows from(int j) const { return {row(j), ld, pf, every}; }
+  StridedRows shift(int64_t d) const { return {base + d, ld, pf, every}; }
+};
+template <class T>
+struct TableRows {
+  using Elem = T;
+  const T* const* at;
+  const T* const* pf;  // null: no prefetches
+  int64_t off;
+  int every;
+  const T* row(int j) const { return at[j] + off; }
+  bool prefetches() const { return pf != nullptr; }
+  struct Cursor {
+    static constexpr bool kPfGaps = true;  // keys past the sequence's
+    const T* const* at;
+    const T* const* pf;
+    int64_t off;
+    int j;
+    const T* row() const { return at[j] + off; }
+    const T* pf_row() const { return pf[j] ? pf[j] + off : nullptr; }
+    void next() { ++j; }
+  };
+  Cursor cursor(int j = 0) const { return {at, pf, off, j}; }
+  TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every}; }
+  TableRows shift(int64_t d) const { return {at, pf, off + d, every}; }
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format
@@ -442,23 +490,23 @@ struct GenericOps {
 
 
   // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
-  // s[r*lds + j] = sum_d q[r*ldq + d] * k[j*ldk + d] for r < M, j < nk. (The SIMD traits also
-  // prefetch as `pf` says; this one leaves it to the hardware.)
-  template <class T>
-  static void decode_qk(const T* k, int64_t ldk, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds, const DecodePrefetch& = {}) {
+  // s[r*lds + j] = sum_d q[r*ldq + d] * K[j][d] for r < M, j < nk. (The SIMD traits also
+  // prefetch the rows' pf_row; this one leaves it to the hardware.)
+  template <class Rows>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
     for (int j = 0; j < nk; ++j)
       for (int r = 0; r < M; ++r)
-        s[int64_t(r) * lds + j] = Row::dot_row(q + int64_t(r) * ldq, k + j * ldk, D);
+        s[int64_t(r) * lds + j] = Row::dot_row(q + int64_t(r) * ldq, k.row(j), D);
   }
 
-  // acc[r*ldacc + d] += sum_j p[r*ldp + j] * v[j*ldv + d] for r < M, d < Dv.
-  template <class T>
-  static void decode_pv(const T* v, int64_t ldv, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc, const DecodePrefetch& = {}) {
+  // acc[r*ldacc + d] += sum_j p[r*ldp + j] * V[j][d] for r < M, d < Dv.
+  template <class Rows>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
     for (int j = 0; j < nk; ++j)
       for (int r = 0; r < M; ++r)
-        Row::axpy_row(p[int64_t(r) * ldp + j], v + j * ldv, acc + int64_t(r) * ldacc, Dv);
+        Row::axpy_row(p[int64_t(r) * ldp + j], v.row(j), acc + int64_t(r) * ldacc, Dv);
   }
 
   // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p) for c < n (x and out may alias).

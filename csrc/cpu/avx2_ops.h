@@ -26,32 +26,34 @@ inline __m256 load8(const f16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// 8 e4m3 bytes -> the values x 2^-8 (see e4m3_t). Each byte is unpacked into the high half of
-// a 16-bit lane; an arithmetic shift right by 1 puts the magnitude in the fp16 position and
-// copies the sign into bit 14, which the AND clears; the NaN magnitude (0x3F80 there) is the
-// only one that carries into bit 14 when 0x80 is added, and OR-ing that bit back makes the
-// exponent all ones.
-inline __m256 load8(const e4m3_t* p) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i w = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
-  const __m128i x = _mm_and_si128(_mm_srai_epi16(w, 1), _mm_set1_epi16(int16_t(0xBFFF)));
-  const __m128i t = _mm_and_si128(_mm_add_epi16(x, _mm_set1_epi16(0x80)), _mm_set1_epi16(0x4000));
-  return _mm256_cvtph_ps(_mm_or_si128(x, t));
-}
-
-// 16 elements -> two vectors. e4m3: the bytes widened 16 at a time (load8's steps on one ymm
-// of 16-bit lanes, then two fp16 conversions), 13 uops where two load8 take 18.
-template <class T>
-inline void load16(const T* p, __m256* lo, __m256* hi) {
-  *lo = load8(p), *hi = load8(p + 8);
-}
-inline void load16(const e4m3_t* p, __m256* lo, __m256* hi) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+// 16 words, an e4m3 byte in each one's high half -> the fp16 bits of the values x 2^-8 (see
+// e4m3_t): an arithmetic shift right by 1 puts the magnitude in the fp16 position and copies
+// the sign into bit 14, which the AND clears; the NaN magnitude (0x3F80 there) is the only one
+// that carries into bit 14 when 0x80 is added, and OR-ing that bit back makes the exponent all
+// ones. (The AVX-512 tiers' zmm overload: 32 words.)
+inline __m256i e4m3_fp16_from_high(__m256i w) {
   const __m256i x = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(int16_t(0xBFFF)));
   const __m256i t = _mm256_and_si256(_mm256_add_epi16(x, _mm256_set1_epi16(0x80)),
                                      _mm256_set1_epi16(0x4000));
-  const __m256i h = _mm256_or_si256(x, t);
+  return _mm256_or_si256(x, t);
+}
+// 8 e4m3 bytes -> the values x 2^-8 (the low 8 words of the above).
+inline __m256 load8(const e4m3_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i w = _mm_unpacklo_epi8(_mm_setzero_si128(), b);
+  return _mm256_cvtph_ps(
+      _mm256_castsi256_si128(e4m3_fp16_from_high(_mm256_castsi128_si256(w))));
+}
+
+// 16 elements -> two vectors of 8 (the AVX-512 tiers' load16 gives one of 16). e4m3: the bytes
+// widened 16 at a time, then two fp16 conversions: 13 uops where two load8 take 18.
+template <class T>
+inline void load8x2(const T* p, __m256* lo, __m256* hi) {
+  *lo = load8(p), *hi = load8(p + 8);
+}
+inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i h = e4m3_fp16_from_high(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
   *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
@@ -377,8 +379,8 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  // The cursor's key's lines to prefetch (pf_row, StridedRows): bytes [at, at + bytes) of the
-  // row, one line per `every` (into L2: the block it belongs to is read a block later).
+  // The lines of the cursor's pf_row to prefetch: bytes [at, at + bytes) of the row, one line
+  // per `every` (into L2: the block it belongs to is read a block later).
   template <class Cursor>
   static inline void prefetch_key(const Cursor& c, int every, int64_t at, int bytes) {
     const auto* t = c.pf_row();
@@ -434,7 +436,7 @@ struct Avx2Ops : GenericOps {
             for (int u = 0; u < 4; ++u)
               for (int d = 0; d < D; d += 16) {
                 __m256 lo, hi;
-                load16(k4[u] + d, &lo, &hi);
+                load8x2(k4[u] + d, &lo, &hi);
                 _mm256_store_ps(kf + u * D + d, lo), _mm256_store_ps(kf + u * D + d + 8, hi);
               }
           const float* kf4[4] = {kf, kf + D, kf + 2 * D, kf + 3 * D};
@@ -474,7 +476,7 @@ struct Avx2Ops : GenericOps {
       const T* vj = c.row() + d0;
       if (prefetch) prefetch_key(c, v.every, d0 * int64_t(sizeof(T)), 16 * int(sizeof(T)));
       __m256 v0, v1;
-      load16(vj, &v0, &v1);
+      load8x2(vj, &v0, &v1);
 #define FLASHSDPA_ROW(i)                                                          \
   if (R > i) {                                                                   \
     const __m256 pj = _mm256_broadcast_ss(p + int64_t(i) * ldp + j);            \
@@ -510,7 +512,7 @@ struct Avx2Ops : GenericOps {
         const __m256 pj = _mm256_broadcast_ss(p + j);
         const T* vj = c.row() + d0;
         __m256 x[8];
-        for (int u = 0; u < 4; ++u) load16(vj + 16 * u, &x[2 * u], &x[2 * u + 1]);
+        for (int u = 0; u < 4; ++u) load8x2(vj + 16 * u, &x[2 * u], &x[2 * u + 1]);
         c0 = _mm256_fmadd_ps(pj, x[0], c0), c1 = _mm256_fmadd_ps(pj, x[1], c1);
         c2 = _mm256_fmadd_ps(pj, x[2], c2), c3 = _mm256_fmadd_ps(pj, x[3], c3);
         c4 = _mm256_fmadd_ps(pj, x[4], c4), c5 = _mm256_fmadd_ps(pj, x[5], c5);

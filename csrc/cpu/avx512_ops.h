@@ -23,7 +23,7 @@ inline __m512 load16(const f16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 // 32 words, an e4m3 byte in each one's high half -> the fp16 bits of the values x 2^-8
-// (load8(const e4m3_t*)'s steps).
+// (the AVX2 trait's ymm overload's steps).
 inline __m512i e4m3_fp16_from_high(__m512i w) {
   const __m512i x = _mm512_and_si512(_mm512_srai_epi16(w, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
   const __m512i t = _mm512_add_epi16(x, _mm512_set1_epi16(0x80));
@@ -387,7 +387,7 @@ struct Avx512Ops : Avx2Ops {
   // Decode P V with zmm accumulators: R rows x C vectors of 16 dims per pass, so a pass reads
   // 16 C contiguous dims of each V row (one row, C = 8: the whole 128-dim row, read once in
   // order) and each widened V vector feeds R FMAs. With `prefetch` (the first row group), the
-  // lines the rows' pf table names.
+  // lines of each key's pf_row.
   template <class Rows, int R, int C, class T = typename Rows::Elem>
   static inline void pv_zmm(const Rows& v, int nk, const float* p, int ldp,
                             float* acc, int ldacc, int d0, bool prefetch) {

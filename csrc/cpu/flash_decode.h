@@ -112,11 +112,11 @@ struct FlashDecode {
     return v ? block_keys(p) : min64(block_keys(p), kKAheadKeys);
   }
 
-  // out[c] = the row of key j0 + c of kv head hk (c < n), a page at a time (one block table
-  // entry a page, none past key j0 + n - 1).
+  // out[c] = the row of key j0 + c of kv head hk (c < n) of a paged cache, a page at a time
+  // (one block table entry a page, none past key j0 + n - 1).
   static void fill_rows(const AttnParams& p, const Side& s, int64_t b, int64_t hk, int64_t j0,
                         int n, const KV** out) {
-    const int64_t ps = p.page_size > 0 ? p.page_size : int64_t(1) << 62;
+    const int64_t ps = p.page_size;
     for (int c = 0; c < n;) {
       const KV* r = row_at(p, s, b, hk, j0 + c);
       const int run = int(min64(n - c, ps - (j0 + c) % ps));

@@ -78,8 +78,8 @@ def _backward(grad_out, query, key, value, attn_bias, out, logsumexp, dropout_p,
     q, k, v, bias = _triton.to_4d(query, key, value, attn_bias)
     rng = (int(philox_seed), int(philox_offset)) if dropout_p > 0 else (0, 0)
     lse = logsumexp.reshape(q.shape[:3])
-    dq, dk, dv = _triton.backward(as_4d(grad_out), q, k, v, as_4d(out), lse, bias,
-                                  dropout_p, is_causal, scale, rng)
+    dq, dk, dv, _ = _triton.backward(as_4d(grad_out), q, k, v, as_4d(out), lse, bias,
+                                     dropout_p, is_causal, scale, rng)
     if k.shape[0] != key.shape[0] and key.dim() == 4:  # broadcast key/value batch
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
     if query.dim() == 3:

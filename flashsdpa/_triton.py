@@ -169,9 +169,45 @@ def _kernel_target(t):
     return _poisoned(torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
-def _constexprs(mask, mask_bool, is_causal, dropout_p, dtype, d, dv):
+class Variants:
+    """The attention variants of one call (../shared/api-variants-serving.md), as the kernels
+    take them: the band of keys each row sees (kernels/common.py: i + diag_lo <= j <= i +
+    diag_hi, each side only when bounded), softcap, ALiBi slopes and sinks. window: (left,
+    right), -1 unbounded; right is 0 under causal; diag = Lk - Lq under bottom_right, else 0."""
+
+    def __init__(self, lq, lk, is_causal=False, window=(-1, -1), bottom_right=False, softcap=0.0,
+                 alibi=None, sinks=None, device=None):
+        left, right = int(window[0]), int(window[1])
+        right = 0 if is_causal else right
+        self.diag = lk - lq if bottom_right else 0
+        self.has_lo, self.has_hi = left >= 0, right >= 0
+        self.diag_lo = self.diag - left if self.has_lo else 0
+        self.diag_hi = self.diag + right if self.has_hi else 0
+        self.softcap = float(softcap)
+        self.alibi = None if alibi is None else alibi.to(device, torch.float32)
+        self.sinks = None if sinks is None else sinks.to(device, torch.float32).contiguous()
+
+    def scalars(self):
+        """(diag_lo, diag_hi, diag) the kernels take after the sizes."""
+        return self.diag_lo, self.diag_hi, self.diag
+
+    def alibi_strides(self):
+        """(batch, head) strides of the slopes, (H,) broadcast over the batch."""
+        if self.alibi is None:
+            return 0, 0
+        return (0, self.alibi.stride(0)) if self.alibi.dim() == 1 else tuple(self.alibi.stride())
+
+    def cap_scales(self, scale):
+        """(cap_in, cap_out) of scaled_scores: scale / cap and cap * log2(e)."""
+        if not self.softcap:
+            return 0.0, 0.0
+        return float(scale) / self.softcap, self.softcap * LOG2E
+
+
+def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv):
     """The compile-time arguments the forward and both backward kernels share."""
-    return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, IS_CAUSAL=bool(is_causal),
+    return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, HAS_LO=var.has_lo,
+                HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap), HAS_ALIBI=var.alibi is not None,
                 DROPOUT=dropout_p > 0, UPCAST=_upcast(dtype), PRECISION=_precision(dtype),
                 BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)))
 
@@ -193,14 +229,18 @@ def new_rng_state():
 # ---- forward / backward -------------------------------------------------------------------------
 
 def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-            rng=(0, 0), out=None):
+            rng=(0, 0), out=None, var=None, lse_empty=0.0):
     """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32).
 
-    Hq must be a multiple of Hkv (GQA). `out` may be given (any layout)."""
+    Hq must be a multiple of Hkv (GQA). `out` may be given (any layout). var: the call's
+    Variants (None: plain, causal from is_causal); lse_empty: the lse of a row that sees no key
+    and has no sink (0, or -inf for flash-attn's API)."""
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    if var is None:
+        var = Variants(lq, lk, is_causal)
     if out is None:
         out = alloc_like_query(query, (b, hq, lq, dv))
     lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=query.device))
@@ -209,7 +249,10 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
         return out, lse
     if lk == 0:
         out.zero_()
-        lse.zero_()
+        if var.sinks is not None:  # the sink alone: lse = sink
+            lse.copy_(var.sinks.view(1, hq, 1).expand(b, hq, lq))
+        else:
+            lse.fill_(lse_empty)
         return out, lse
     fwd, _, configs = _load_kernels(query.device)
     q, k, v = (_for_descriptor(t) for t in (query, key, value))
@@ -219,46 +262,56 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     grid = (triton_cdiv(lq, blocks["BLOCK_M"]), b * hq)
     fwd.attn_fwd_kernel[grid](
         q, k, v, mask if mask is not None else q, buf, lse,
+        var.alibi if var.alibi is not None else lse, var.sinks if var.sinks is not None else lse,
         *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)), *_stride4(lse),
-        hq, hkv, lq, lk, d, dv,
-        float(scale) * LOG2E, float(dropout_p), int(rng[0]), int(rng[1]),
-        **_constexprs(mask, mask_bool, is_causal, dropout_p, query.dtype, d, dv),
+        *var.alibi_strides(), hq, hkv, lq, lk, d, dv, *var.scalars(),
+        float(scale) * LOG2E, *var.cap_scales(scale), float(lse_empty), float(dropout_p),
+        int(rng[0]), int(rng[1]), HAS_SINKS=var.sinks is not None,
+        **_constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv),
         **blocks, **opts)
     return _finish(buf, out), lse
 
 
 def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
-             is_causal=False, scale=None, rng=(0, 0)):
-    """Gradients (dq, dk, dv), each laid out like its input (torch.empty_like)."""
+             is_causal=False, scale=None, rng=(0, 0), var=None):
+    """Gradients (dq, dk, dv, dsinks), each laid out like its input (torch.empty_like); dsinks
+    None without sinks. var: the forward's Variants."""
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     if scale is None:
         scale = 1.0 / math.sqrt(d)
+    if var is None:
+        var = Variants(lq, lk, is_causal)
     dq, dk, dvv = (_poisoned(torch.empty_like(t)) for t in (query, key, value))
+    delta = (out.float() * grad_out.float()).sum(-1).contiguous()     # [B, Hq, Lq]
+    # rows that see no key: lse -inf (flash-attn's API) is taken as 0, where their P is 0
+    lse = lse.float().masked_fill(torch.isneginf(lse), 0.0)
+    # d sink_h = -sum over the rows of head h of P(sink) * delta, P(sink) = exp(sink - lse)
+    dsinks = None if var.sinks is None else \
+        -(torch.exp(var.sinks.view(1, hq, 1) - lse) * delta).sum((0, 2))
     if lq == 0 or lk == 0 or b * hq == 0:
-        return dq.zero_(), dk.zero_(), dvv.zero_()
+        return dq.zero_(), dk.zero_(), dvv.zero_(), dsinks
     _, bwd, configs = _load_kernels(query.device)
     q, k, v, do = (_for_descriptor(t) for t in (query, key, value, grad_out))
-    delta = (out.float() * grad_out.float()).sum(-1).contiguous()     # [B, Hq, Lq]
-    lse = lse.float()
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     dq_buf, dk_buf, dv_buf = _kernel_target(dq), _kernel_target(dk), _kernel_target(dvv)
-    common = _constexprs(mask, mask_bool, is_causal, dropout_p, query.dtype, d, dv)
+    common = _constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv)
     mstrides = mask.stride() if mask is not None else (0, 0, 0, 0)
     args_in = (*_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
-               *_stride4(lse))
-    scalars = (hq, hkv, lq, lk, d, dv, float(scale) * LOG2E, float(scale), float(dropout_p),
-               int(rng[0]), int(rng[1]))
+               *_stride4(lse), *var.alibi_strides())
+    scalars = (hq, hkv, lq, lk, d, dv, *var.scalars(), float(scale) * LOG2E,
+               *var.cap_scales(scale), float(scale), float(dropout_p), int(rng[0]), int(rng[1]))
     (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(max(d, dv))
     mask_arg = mask if mask is not None else q
+    alibi = var.alibi if var.alibi is not None else lse
     bwd.attn_bwd_dkdv_kernel[(triton_cdiv(lk, kv_blocks["BLOCK_N"]), b * hkv)](
-        q, k, v, mask_arg, do, lse, delta, dk_buf, dv_buf, *args_in,
+        q, k, v, mask_arg, do, lse, delta, dk_buf, dv_buf, alibi, *args_in,
         *_stride4(dk_buf), *_stride4(dv_buf), *scalars, **common, **kv_blocks, **kv_opts)
     bwd.attn_bwd_dq_kernel[(triton_cdiv(lq, q_blocks["BLOCK_M"]), b * hq)](
-        q, k, v, mask_arg, do, lse, delta, dq_buf, *args_in,
+        q, k, v, mask_arg, do, lse, delta, dq_buf, alibi, *args_in,
         *_stride4(dq_buf), *scalars, **common, **q_blocks, **q_opts)
-    return _finish(dq_buf, dq), _finish(dk_buf, dk), _finish(dv_buf, dvv)
+    return _finish(dq_buf, dq), _finish(dk_buf, dk), _finish(dv_buf, dvv), dsinks
 
 
 def dropout_keep_mask(seed, offset, batch, heads, lq, lk, dropout_p, device="cpu"):
@@ -284,14 +337,21 @@ from typing import Optional  # noqa: E402
 @torch.library.custom_op("flashsdpa::triton_attn_fwd", mutates_args=())
 def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-            scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            scale: Optional[float], window_left: int = -1, window_right: int = -1,
+            bottom_right: bool = False, softcap: float = 0.0,
+            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+            lse_neg_inf: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = new_rng_state() if dropout_p > 0 else (0, 0)
-    out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng)
+    var = Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
+                   bottom_right, softcap, alibi_slopes, sinks, query.device)
+    out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng, var=var,
+                       lse_empty=-math.inf if lse_neg_inf else 0.0)
     return out, lse, torch.tensor(rng, dtype=torch.int64)
 
 
 @_fwd_op.register_fake
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left=-1, window_right=-1,
+      bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None, lse_neg_inf=False):
     b, hq, lq = query.shape[:3]
     out = alloc_like_query(query, (b, hq, lq, value.shape[3]))
     lse = query.new_empty((b, hq, lq), dtype=torch.float32)
@@ -302,40 +362,78 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
 def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, rng_state: torch.Tensor,
             attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
-            scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            scale: Optional[float], window_left: int = -1, window_right: int = -1,
+            bottom_right: bool = False, softcap: float = 0.0,
+            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks (an op returns no None)."""
     rng = tuple(int(x) for x in rng_state.tolist())
-    return backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
-                    scale, rng)
+    var = Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
+                   bottom_right, softcap, alibi_slopes, sinks, query.device)
+    dq, dk, dv, dsinks = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
+                                  is_causal, scale, rng, var)
+    if dsinks is None:
+        dsinks = lse.new_empty(0)
+    return dq, dk, dv, dsinks
 
 
 @_bwd_op.register_fake
-def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal, scale):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal, scale,
+      window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None,
+      sinks=None):
+    dsinks = lse.new_empty(0) if sinks is None else torch.empty_like(sinks, dtype=torch.float32)
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, scale = inputs
+    query, key, value, attn_mask, dropout_p, is_causal, scale = inputs[:7]
+    variants = inputs[7:13]  # window_left .. sinks (lse_neg_inf is the forward's only)
     out, lse, rng_state = output
     ctx.save_for_backward(query, key, value, out, lse, rng_state)
-    ctx.mask, ctx.args = attn_mask, (dropout_p, is_causal, scale)
+    ctx.mask, ctx.args, ctx.variants = attn_mask, (dropout_p, is_causal, scale), variants
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
     query, key, value, out, lse, rng_state = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(grad_out, query, key, value, out, lse, rng_state, ctx.mask, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv, dsinks = _bwd_op(grad_out, query, key, value, out, lse, rng_state, ctx.mask,
+                                 *ctx.args, *ctx.variants)
+    sinks = ctx.variants[-1]
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None)
 
 
 _fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
+def _variant_kwargs(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
+    return dict(window_left=int(window_size[0]), window_right=int(window_size[1]),
+                softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
-    """SDPA on the Triton kernels (validated arguments; 3-D or 4-D). Differentiable in query, key,
-    value."""
+                                 is_causal=False, scale=None, enable_gqa=False, *,
+                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                 sinks=None):
+    """SDPA on the Triton kernels (validated arguments; 3-D or 4-D), with the variants
+    (top-left aligned, as flashsdpa.scaled_dot_product_attention). Differentiable in query, key,
+    value and sinks."""
     # a broadcast key/value batch is expanded: autograd sums its gradient
     q, k, v, mask = to_4d(query, key, value, attn_mask)
     out = _fwd_op(q, k, v, mask, float(dropout_p), bool(is_causal),
-                  None if scale is None else float(scale))[0]
+                  None if scale is None else float(scale),
+                  **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))[0]
     return out.squeeze(1) if query.dim() == 3 else out
+
+
+def flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+               softcap=0.0, alibi_slopes=None, sinks=None):
+    """flash_attn_func on the Triton kernels (validated arguments): (B, L, H, D) layout,
+    bottom-right alignment -> (out (B, Lq, H, Dv), lse (B, H, Lq), -inf where a row sees no
+    key and has no sink)."""
+    out, lse, _ = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+                          float(dropout_p), bool(causal),
+                          None if softmax_scale is None else float(softmax_scale),
+                          bottom_right=True, lse_neg_inf=True,
+                          **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))
+    return out.transpose(1, 2), lse

@@ -4,29 +4,35 @@
   (Q, K, V and dO tiles come through 2-D tensor descriptors, as in the forward.)
   dK/dV kernel, grid (cdiv(Lk, BLOCK_N), B * Hkv): one kv tile resident; loops over the query
       heads of its GQA group and over the q tiles; recomputes P = 2^(s - lse2), applies the
-      forward's dropout keep-mask, dV += Pd^T dO, dS = P * (dP - delta), dK += dS^T Q.
+      forward's dropout keep-mask, dV += Pd^T dO, dS = P * (dP - delta) (times 1 - tanh^2
+      under softcap), dK += dS^T Q.
   dQ kernel, grid (cdiv(Lq, BLOCK_M), B * Hq): one q tile resident; loops over the kv tiles;
       dQ += dS K.
-Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale).
+Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale). The
+band, softcap, ALiBi and the mask as in the forward (common.py); the sinks' gradient,
+-sum_i exp(sink - lse_i) delta_i, is the launcher's (O(Lq) work).
 """
 import triton
 import triton.language as tl
 
 from .common import (LOG2E, dropout_keep, kv_bounds, load_block, masked_scores, q_bounds,
-                     tile_desc)
+                     scaled_scores, tile_desc)
 
 
 @triton.jit
-def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mask_base,
-             stride_mm, stride_mn, dropout_p, seed, rng_offset,
-             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in, cap_out,
+             mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed,
+             rng_offset, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
+             HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N].
     CHECK=False for interior tiles (see masked_scores); query rows past Lq, zero-filled by the
     descriptors with lse = delta = 0, then contribute exactly 0 to dK, dV and dQ."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL, CHECK)
+    s, dcap = scaled_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale,
+                            cap_in, cap_out, SOFTCAP)
+    s = masked_scores(s, offs_m, offs_n, Lq, Lk, mask_base, stride_mm, stride_mn, diag_lo,
+                      diag_hi, slope2, diag, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, HAS_ALIBI,
+                      CHECK)
     p = tl.math.exp2(s - lse2[:, None])  # masked -> 0
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -35,15 +41,16 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mas
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     else:
         pd = p
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta[:, None]) * dcap
     return pd, ds
 
 
 @triton.jit
 def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DELTA,
-               stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, mask_base, stride_mm,
-               stride_mn, dropout_p, seed, rng_offset,
-               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in, cap_out, mask_base,
+               stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
+               HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -52,9 +59,10 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DE
     lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
                    mask=offs_m < Lq, other=0.0) * LOG2E
     delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-    pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale,
-                      mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, PRECISION, CHECK)
+    pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in,
+                      cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+                      dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                      HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
@@ -62,18 +70,19 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DE
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_,
+    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_, Alibi,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_lb, stride_lh, stride_lm,
+    stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    Hq, Hkv, Lq, Lk, D, DV,
-    qk_scale, sm_scale, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
+    qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -93,8 +102,8 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # q tiles [lo, mid) need the bound/causal checks; the tiles from mid on run without them
-    lo, mid = q_bounds(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    # the q tiles at the band's edges ([a, b) and [c, hi)) are checked, the interior ones not
+    a, b_, c, hi = q_bounds(start_n, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
     for g in range(0, group):
         h = hk * group + g
         bh = b * Hq + h
@@ -102,18 +111,30 @@ def attn_bwd_dkdv_kernel(
         do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
                             BLOCK_DV)
         mask_base = Mask + b * stride_mb + h * stride_mh
-        for start_m in range(lo, mid, BLOCK_M):
+        slope2 = 0.0
+        if HAS_ALIBI:
+            slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+        for start_m in range(a, b_, BLOCK_M):
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
-                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale,
-                                mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                                HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION,
+                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
+                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
+                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
                                 True, BLOCK_M)
-        for start_m in range(mid, Lq, BLOCK_M):
+        for start_m in range(b_, c, BLOCK_M):
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
-                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale,
-                                mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                                HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION,
+                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
+                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
+                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
                                 False, BLOCK_M)
+        for start_m in range(c, hi, BLOCK_M):
+            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
+                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
+                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
+                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
+                                True, BLOCK_M)
 
     n_ok = offs_n[:, None] < Lk
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
@@ -124,32 +145,36 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk, qk_scale,
-             mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+             cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+             dropout_p, seed, rng_offset,
+             HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
+             HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
              CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
-    _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, mask_base,
-                     stride_mm, stride_mn, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
-                     IS_CAUSAL, DROPOUT, PRECISION, CHECK)
+    _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in,
+                     cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+                     dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                     HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DQ,
+    Q, K, V, Mask, DO, LSE, DELTA, DQ, Alibi,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_lb, stride_lh, stride_lm,
+    stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
     stride_dqb, stride_dqh, stride_dqm,
-    Hq, Hkv, Lq, Lk, D, DV,
-    qk_scale, sm_scale, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
+    qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -174,15 +199,29 @@ def attn_bwd_dq_kernel(
     mask_base = Mask + b * stride_mb + h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    full_end, hi = kv_bounds(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)  # as the forward
-    for start_n in range(0, full_end, BLOCK_N):
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M,
+                             BLOCK_N)  # as the forward
+    for start_n in range(a, b_, BLOCK_N):
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
-                      qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
-    for start_n in range(full_end, hi, BLOCK_N):
+                      qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
+                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True,
+                      BLOCK_N)
+    for start_n in range(b_, c, BLOCK_N):
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
-                      qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed, rng_offset,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
+                      qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
+                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False,
+                      BLOCK_N)
+    for start_n in range(c, hi, BLOCK_N):
+        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
+                      qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
+                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True,
+                      BLOCK_N)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty),

@@ -4,30 +4,37 @@ Grid: (cdiv(Lq, BLOCK_M), B * Hq), the tile index on axis 0. One Q tile stays re
 blocks stream through an online softmax in the log2 domain (running max m, running sum l, fp32
 accumulator, `acc = tl.dot(p, v, acc)`); the natural-log LSE is stored for the backward. The dot
 operands come through 2-D tensor descriptors (one per (batch, head) slice; out-of-range rows and
-columns read as 0, so ragged lengths need no padding). Causal is top-left aligned (PyTorch's
-rule): kv blocks right of a q tile's last row are never visited. GQA maps query head h to kv head
-h // (Hq // Hkv). Masks are read through their (possibly zero) strides. Interior tiles run without
-the bound and causal checks (a first loop), only the tiles after them pay for them (a second).
-Rows with nothing to attend to give 0 (and LSE 0).
+columns read as 0, so ragged lengths need no padding). Each row sees a band of keys (common.py:
+causal, windows, either alignment): kv tiles outside a q tile's band are never visited. GQA maps
+query head h to kv head h // (Hq // Hkv). Masks are read through their (possibly zero) strides.
+The variants (softcap, ALiBi, sinks) follow ../shared/api-variants-serving.md: a sink starts
+each row's softmax state at (m, l) = (sink, 1). Interior tiles run without the bound and band
+checks (a middle loop), only the tiles at the band's edges pay for them. Rows with nothing to
+attend to give 0 (and LSE lse_empty).
 """
 import triton
 import triton.language as tl
 
-from .common import dropout_keep, kv_bounds, load_block, masked_scores, tile_desc
+from .common import (LOG2E, dropout_keep, kv_bounds, load_block, masked_scores, scaled_scores,
+                     tile_desc)
 
 
 @triton.jit
-def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_scale, mask_base,
-              stride_mm, stride_mn, dropout_p, seed, rng_offset,
-              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_scale, cap_in,
+              cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+              dropout_p, seed, rng_offset,
+              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
+              HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
               CHECK: tl.constexpr, BLOCK_N: tl.constexpr):
     """One kv tile of the online softmax: returns the updated (m, l, acc)."""
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    s = masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_base, stride_mm, stride_mn,
-                      HAS_MASK, MASK_BOOL, IS_CAUSAL, CHECK)
+    s, _ = scaled_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, cap_in,
+                         cap_out, SOFTCAP)
+    s = masked_scores(s, offs_m, offs_n, Lq, Lk, mask_base, stride_mm, stride_mn, diag_lo,
+                      diag_hi, slope2, diag, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, HAS_ALIBI,
+                      CHECK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P = 0
     p = tl.math.exp2(s - m_safe[:, None])
@@ -44,16 +51,17 @@ def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Mask, O, LSE,
+    Q, K, V, Mask, O, LSE, Alibi, Sinks,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_lb, stride_lh, stride_lm,
-    Hq, Hkv, Lq, Lk, D, DV,
-    qk_scale, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
+    Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
+    qk_scale, cap_in, cap_out, lse_empty, dropout_p, seed, rng_offset,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -72,26 +80,42 @@ def attn_fwd_kernel(
     mask_base = Mask + b * stride_mb + h * stride_mh
     q = load_block(q_desc, start_m, UPCAST)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    slope2 = 0.0
+    if HAS_ALIBI:
+        slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    if HAS_SINKS:  # the sink as a key of score `sink` and no value: (m, l) = (sink, 1)
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sinks + h) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # interior tiles skip the bound/causal checks; the tiles after them are checked
-    full_end, hi = kv_bounds(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, full_end, BLOCK_N):
+    # the band's edge tiles are checked ([a, b) and [c, hi)), the interior ones are not
+    a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
+    for start_n in range(a, b_, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
-                                  qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed,
-                                  rng_offset, HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST,
-                                  PRECISION, False, BLOCK_N)
-    for start_n in range(full_end, hi, BLOCK_N):
+                                  qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
+                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
+                                  DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
+    for start_n in range(b_, c, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
-                                  qk_scale, mask_base, stride_mm, stride_mn, dropout_p, seed,
-                                  rng_offset, HAS_MASK, MASK_BOOL, IS_CAUSAL, DROPOUT, UPCAST,
-                                  PRECISION, True, BLOCK_N)
+                                  qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
+                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
+                                  DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
+    for start_n in range(c, hi, BLOCK_N):
+        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
+                                  qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
+                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
+                                  DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, 0.0, (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, lse_empty,
+                   (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))

@@ -31,62 +31,117 @@ def load_block(desc, row, UPCAST: tl.constexpr):
 
 
 # ---- visibility: which keys each query row sees (the CPU kernels' Visibility, csrc/cpu/) ----------
-# Row i sees keys j < end(i), with end(i) = i + 1 under IS_CAUSAL (top-left, PyTorch's rule) and
-# Lk otherwise. Every tile range below derives from `visible` and this end(i).
+# Row i sees the band of keys j with  i + diag_lo <= j  (HAS_LO: a window's left side) and
+# j <= i + diag_hi  (HAS_HI: causal, or a window's right side), diag_lo = diag - left and
+# diag_hi = diag + right (right = 0 under causal), diag = 0 for PyTorch's top-left alignment and
+# Lk - Lq for flash-attn's bottom-right one (launcher: band()). Both edges are non-decreasing in i.
+# Every tile range below derives from `visible` and these two edges.
 
 @triton.jit
-def visible(offs_m, offs_n, IS_CAUSAL: tl.constexpr):
+def visible(offs_m, offs_n, diag_lo, diag_hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr):
     """[BLOCK_M, BLOCK_N]: row offs_m sees key offs_n (key range checks are the caller's)."""
-    if IS_CAUSAL:
-        ok = offs_n[None, :] <= offs_m[:, None]
-    else:
-        ok = (offs_n[None, :] >= 0) & (offs_m[:, None] >= 0)  # all true, the same [M, N] shape
+    ok = (offs_n[None, :] >= 0) & (offs_m[:, None] >= 0)  # all true, the same [M, N] shape
+    if HAS_HI:
+        ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag_hi)
+    if HAS_LO:
+        ok = ok & (offs_n[None, :] >= offs_m[:, None] + diag_lo)
     return ok
 
 
 @triton.jit
-def kv_bounds(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """For the q tile starting at row start_m: (end of the interior kv tiles - every key in range
-    and visible to every row, so masked_scores may skip its checks -, end of the kv tiles to
-    visit: end(last row of the tile))."""
-    full_end = Lk // BLOCK_N * BLOCK_N
-    hi = Lk
-    if IS_CAUSAL:
-        full_end = tl.minimum(full_end, (start_m + 1) // BLOCK_N * BLOCK_N)
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
-    return full_end, hi
+def _tile_ranges(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Three loop bounds over tiles of BLOCK from the tile holding `lo` to `hi`: [a, b) and
+    [c, hi) checked, [b, c) interior; full_lo / full_hi the first / last-plus-one element of the
+    interior (b, c rounded inward to whole tiles)."""
+    a = tl.maximum(lo, 0) // BLOCK * BLOCK
+    b = tl.minimum(tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, a), tl.maximum(hi, a))
+    c = tl.minimum(tl.maximum(full_hi // BLOCK * BLOCK, b), tl.maximum(hi, b))
+    return a, b, c
 
 
 @triton.jit
-def q_bounds(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """For the kv tile starting at key start_n: (first q tile with a row that sees one of its keys,
-    first q tile from which every row sees all of them and no bound check is needed). The tiles
-    in between need masked_scores' checks, all of them when the kv tile is ragged."""
+def kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the q tile starting at row start_m: (a, b, c, hi): the kv tiles to visit run from a to
+    hi (the keys its rows see); those in [b, c) are interior - every key in range and visible to
+    every row, so masked_scores may skip its checks -, those in [a, b) and [c, hi) are checked."""
+    last = tl.minimum(start_m + BLOCK_M, Lq) - 1
     lo = 0
-    mid = 0
-    if IS_CAUSAL:
-        lo = start_n // BLOCK_M * BLOCK_M
-        mid = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
-    return lo, mid
+    full_lo = 0
+    hi = Lk
+    full_hi = Lk
+    if HAS_LO:
+        lo = start_m + diag_lo
+        full_lo = last + diag_lo
+    if HAS_HI:
+        hi = tl.minimum(Lk, last + diag_hi + 1)
+        full_hi = tl.minimum(Lk, start_m + diag_hi + 1)
+    a, b, c = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_N)
+    return a, b, c, hi
 
 
 @triton.jit
-def masked_scores(s, offs_m, offs_n, Lq, Lk, qk_scale, mask_ptr, stride_mm, stride_mn,
-                  HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def q_bounds(start_n, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the kv tile starting at key start_n: (a, b, c, hi): the q tiles with a row that sees
+    one of its keys run from a to hi; those in [b, c) see all of them and need no check (query
+    rows past Lq there contribute 0: their dO is zero-filled); the rest are checked, all of them
+    when the kv tile is ragged."""
+    last = tl.minimum(start_n + BLOCK_N, Lk) - 1
+    lo = 0
+    full_lo = 0
+    hi = Lq
+    full_hi = Lq + BLOCK_M  # the last, partial q tile too
+    if HAS_HI:
+        lo = start_n - diag_hi
+        full_lo = start_n + BLOCK_N - 1 - diag_hi
+    if HAS_LO:
+        hi = tl.minimum(Lq, last - diag_lo + 1)
+        full_hi = tl.minimum(Lq, start_n - diag_lo + 1)
+    if start_n + BLOCK_N > Lk:  # keys past Lk read as 0: checked
+        full_lo = hi
+    a, b, c = _tile_ranges(lo, full_lo, full_hi, hi, BLOCK_M)
+    return a, b, c, hi
+
+
+# ---- scores: scale or softcap, ALiBi, the mask, the band --------------------------------------
+
+@triton.jit
+def tanh(x):
+    """tanh in fp32 from exp2 (no libdevice call: the same code on every backend and the
+    interpreter); exact limits +-1, absolute error a few ulps of 1."""
+    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def scaled_scores(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """q.k products -> log2-domain scores: s * scale * log2(e), or with softcap (SOFTCAP)
+    cap * tanh(s * scale / cap) * log2(e) (cap_in = scale / cap, cap_out = cap * log2(e)).
+    Returns (scores, d score / d(scale * s)): 1 - tanh^2 under softcap, else 1.0."""
+    if SOFTCAP:
+        t = tanh(s * cap_in)
+        return t * cap_out, 1.0 - t * t
+    return s * qk_scale, 1.0
+
+
+@triton.jit
+def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, diag_lo, diag_hi,
+                  slope2, diag, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+                  HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   CHECK: tl.constexpr):
-    """log2-domain scores of a [BLOCK_M, BLOCK_N] tile; -inf where a key is not attended
-    (outside the sequence, masked out, or above the top-left causal diagonal).
+    """log2-domain scores (scaled_scores) of a [BLOCK_M, BLOCK_N] tile with ALiBi (HAS_ALIBI:
+    - slope * |i + diag - j|, slope2 = slope * log2(e)) and the user mask added; -inf where a
+    key is not attended (outside the sequence, masked out, or outside the band).
 
     CHECK=False is the fast path for interior tiles: the caller guarantees that every key of the
-    tile is inside the sequence and visible to every row (left of the causal diagonal), so only
-    a user mask applies (read with the rows bounded)."""
-    s = s * qk_scale
+    tile is inside the sequence and visible to every row, so only ALiBi and a user mask apply
+    (the mask read with the rows bounded)."""
+    if HAS_ALIBI:
+        dist = (offs_m[:, None] + diag - offs_n[None, :]).to(tl.float32)
+        s = s - slope2 * tl.abs(dist)
     if CHECK:
-        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(offs_m, offs_n,
-                                                                           IS_CAUSAL)
+        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(
+            offs_m, offs_n, diag_lo, diag_hi, HAS_LO, HAS_HI)
     if HAS_MASK:
         ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
         if CHECK:

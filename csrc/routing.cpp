@@ -89,7 +89,7 @@ const BackendSpec kBackends[] = {
      int64_t(1) << 16, false, true},
     {Backend::Triton, "flashsdpa Triton kernels",
      device_bit(c10::DeviceType::XPU) | device_bit(c10::DeviceType::CUDA), "xpu and cuda tensors",
-     256, true, false},
+     256, true, true},
 };
 // Both flashsdpa backends compute in these input dtypes.
 bool kernel_dtype(at::ScalarType st) {

@@ -54,10 +54,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     variants = None
     if window_size != (-1, -1) or softcap or alibi_slopes is not None or sinks is not None:
         variants = _variants(window_size, softcap, alibi_slopes, sinks)
+    if query.device.type in GPU_DEVICE_TYPES:
+        return _gpu.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                         **(variants or {}))
     if variants is None:
-        if query.device.type in GPU_DEVICE_TYPES:
-            return _gpu.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                             enable_gqa)
         if scale is None and enable_gqa is False:  # keyword arguments cost ~0.9 us per op call
             return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal)
     return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
@@ -81,9 +81,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """
     del deterministic  # every flashsdpa backward is deterministic
     left, right = _window(window_size)
-    out, lse = _flash_attn_op(q, k, v, float(dropout_p), softmax_scale=softmax_scale,
-                              causal=bool(causal), window_left=left, window_right=right,
-                              softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
+    variants = dict(window_left=left, window_right=right, softcap=float(softcap),
+                    alibi_slopes=alibi_slopes, sinks=sinks)
+    if q.device.type in GPU_DEVICE_TYPES:
+        out, lse = _gpu.flash_attn(q, k, v, dropout_p, softmax_scale, causal, **variants)
+    else:
+        out, lse = _flash_attn_op(q, k, v, float(dropout_p), softmax_scale=softmax_scale,
+                                  causal=bool(causal), **variants)
     return (out, lse) if return_lse else out
 
 

@@ -150,16 +150,42 @@ def is_registered():
 
 
 # ---- the direct API on GPU tensors -------------------------------------------------------------------
+_sdpa_op = torch.ops.flashsdpa.sdpa.default
+_flash_attn_op = torch.ops.flashsdpa.flash_attn.default
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-         enable_gqa=False):
-    """The direct API for tensors on a Triton device: the routing decision's backend."""
-    d = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "direct")
+         enable_gqa=False, **variants):
+    """The direct API for tensors on a Triton device: the routing decision's backend (variants:
+    the ops' variant keywords). Calls the Triton kernels decline take PyTorch's SDPA, or with
+    variants flashsdpa's math on PyTorch ops (the sdpa op, which decides the same)."""
+    d = decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, "direct",
+               **variants)
     if d["invalid"]:
         raise ValueError(d["invalid"])
     if d["backend"] == "triton":
         return _triton.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
-                                                    is_causal, scale, enable_gqa)
+                                                    is_causal, scale, enable_gqa, **variants)
+    if variants:
+        return _sdpa_op(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                        enable_gqa=enable_gqa, **variants)
     log_fallback(d["reasons"]["triton"][0] if d["reasons"]["triton"] else d["via"])
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
         scale=scale, enable_gqa=enable_gqa)
+
+
+def flash_attn(q, k, v, dropout_p, softmax_scale, causal, **variants):
+    """flash_attn_func for tensors on a Triton device -> (out, lse): the Triton kernels, or
+    where they decline flashsdpa's math on PyTorch ops (the flash_attn op, which decides the
+    same)."""
+    if q.dim() == 4 and k.dim() == 4 and v.dim() == 4:
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        d = decide(qt, kt, vt, None, dropout_p, causal, softmax_scale, True, "direct",
+                   bottom_right=True, **variants)
+        if d["invalid"]:
+            raise ValueError(d["invalid"])
+        if d["backend"] == "triton":
+            return _triton.flash_attn(q, k, v, dropout_p, softmax_scale, causal, **variants)
+    return _flash_attn_op(q, k, v, float(dropout_p), softmax_scale=softmax_scale,
+                          causal=bool(causal), **variants)

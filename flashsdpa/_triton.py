@@ -406,34 +406,24 @@ def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
 _fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
 
 
-def _variant_kwargs(window_size=(-1, -1), softcap=0.0, alibi_slopes=None, sinks=None):
-    return dict(window_left=int(window_size[0]), window_right=int(window_size[1]),
-                softcap=float(softcap), alibi_slopes=alibi_slopes, sinks=sinks)
-
-
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False, *,
-                                 window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                 sinks=None):
-    """SDPA on the Triton kernels (validated arguments; 3-D or 4-D), with the variants
-    (top-left aligned, as flashsdpa.scaled_dot_product_attention). Differentiable in query, key,
-    value and sinks."""
+                                 is_causal=False, scale=None, enable_gqa=False, **variants):
+    """SDPA on the Triton kernels (validated arguments; 3-D or 4-D). variants: the ops' variant
+    keywords (window_left, window_right, softcap, alibi_slopes, sinks; top-left aligned, as
+    flashsdpa.scaled_dot_product_attention). Differentiable in query, key, value and sinks."""
     # a broadcast key/value batch is expanded: autograd sums its gradient
     q, k, v, mask = to_4d(query, key, value, attn_mask)
     out = _fwd_op(q, k, v, mask, float(dropout_p), bool(is_causal),
-                  None if scale is None else float(scale),
-                  **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))[0]
+                  None if scale is None else float(scale), **variants)[0]
     return out.squeeze(1) if query.dim() == 3 else out
 
 
-def flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-               softcap=0.0, alibi_slopes=None, sinks=None):
-    """flash_attn_func on the Triton kernels (validated arguments): (B, L, H, D) layout,
-    bottom-right alignment -> (out (B, Lq, H, Dv), lse (B, H, Lq), -inf where a row sees no
-    key and has no sink)."""
+def flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **variants):
+    """flash_attn_func on the Triton kernels (validated arguments; variants as in
+    scaled_dot_product_attention): (B, L, H, D) layout, bottom-right alignment -> (out
+    (B, Lq, H, Dv), lse (B, H, Lq), -inf where a row sees no key and has no sink)."""
     out, lse, _ = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                           float(dropout_p), bool(causal),
                           None if softmax_scale is None else float(softmax_scale),
-                          bottom_right=True, lse_neg_inf=True,
-                          **_variant_kwargs(window_size, softcap, alibi_slopes, sinks))
+                          bottom_right=True, lse_neg_inf=True, **variants)
     return out.transpose(1, 2), lse

@@ -117,11 +117,16 @@ def tanh(x):
 def scaled_scores(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
     """q.k products -> log2-domain scores: s * scale * log2(e), or with softcap (SOFTCAP)
     cap * tanh(s * scale / cap) * log2(e) (cap_in = scale / cap, cap_out = cap * log2(e)).
-    Returns (scores, d score / d(scale * s)): 1 - tanh^2 under softcap, else 1.0."""
+    Returns (scores, d score / d(scale * s)): 1 - tanh^2 under softcap, else a tile of ones
+    (which the compiler folds away)."""
     if SOFTCAP:
         t = tanh(s * cap_in)
-        return t * cap_out, 1.0 - t * t
-    return s * qk_scale, 1.0
+        scores = t * cap_out
+        slope = 1.0 - t * t
+    else:
+        scores = s * qk_scale
+        slope = tl.full(s.shape, 1.0, tl.float32)
+    return scores, slope
 
 
 @triton.jit

@@ -41,6 +41,11 @@ import flashsdpa  # noqa: E402
 from flashsdpa import _C, _gpu as gpu, _triton  # noqa: E402
 from flashsdpa._common import decide  # noqa: E402
 
+import test_variants as variant_tests  # noqa: E402  (its cases, reference and check)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from flashsdpa.kernels import common as kernel_common  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def poison():
@@ -191,6 +196,140 @@ def test_launch_from_new_thread():
     assert_within_rule(results["dq"], same[0].grad, ref_leaves[0].grad, torch.float32, "dq")
 
 
+# ---- the attention variants (window, bottom-right alignment, softcap, ALiBi, sinks) ---------------
+# The cases, the fp64 reference written from ../shared/api-variants-serving.md and the check (out
+# and every gradient, the sinks' too, within the suite's rule) are test_variants.py's: the CPU
+# kernels and the Triton ones are held to the same formulas.
+VARIANT_CASES = list(variant_tests.CASES)
+
+
+def _variant_kwargs(kw):
+    """test_variants' keywords -> the Triton API's (the ops' variant keywords)."""
+    left, right = kw.get("window", (-1, -1))
+    return dict(attn_mask=kw.get("mask"), is_causal=kw.get("causal", False),
+                window_left=left, window_right=right, softcap=kw.get("softcap", 0.0),
+                alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"))
+
+
+def _triton_variants(q, k, v, kw):
+    """_triton.scaled_dot_product_attention on DEVICE with test_variants' keywords."""
+    kw = {n: _dev(t) if isinstance(t, torch.Tensor) else t for n, t in _variant_kwargs(kw).items()}
+    return _triton.scaled_dot_product_attention(_dev(q), _dev(k), _dev(v), **kw).cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("name", VARIANT_CASES)
+def test_variants_forward_and_gradients(name, dtype):
+    q, k, v, kw = variant_tests.make_case(name, dtype)
+    variant_tests.check(q, k, v, kw, dtype, f"triton {name}", run=_triton_variants)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq,lk", [(40, 70), (70, 40), (1, 33), (9, 5)])
+def test_flash_attn_bottom_right(dtype, lq, lk):
+    """flash_attn_func's semantics on the Triton kernels: (B, L, H, D) layout, bottom-right causal
+    and window, every variant, the lse (-inf for the rows that see nothing when Lq > Lk)."""
+    q, k, v = make_qkv(2, 4, 2, lq, lk, 16, dtype=dtype, seed=31)
+    g = torch.Generator().manual_seed(5)
+    kw = dict(causal=True, window=(25, -1), softcap=1.2, alibi=torch.rand(4, generator=g),
+              sinks=torch.randn(4, generator=g))
+
+    def run(q, k, v, kw):
+        var = {n: _dev(t) if isinstance(t, torch.Tensor) else t
+               for n, t in _variant_kwargs(kw).items()}
+        del var["attn_mask"], var["is_causal"]
+        out, lse = _triton.flash_attn(*(_dev(t).transpose(1, 2) for t in (q, k, v)), 0.0, None,
+                                      kw["causal"], **var)
+        ref_lse = variant_tests.reference(q.detach(), k.detach(), v.detach(), bottom_right=True,
+                                          **dict(kw, sinks=kw["sinks"].detach()))[1]
+        torch.testing.assert_close(lse.cpu(), ref_lse.float(), atol=1e-5, rtol=1e-5)
+        return out.transpose(1, 2).cpu()
+
+    variant_tests.check(q, k, v, kw, dtype, f"triton flash_attn {lq}x{lk}", run=run,
+                        bottom_right=True)
+
+
+def test_rows_that_see_nothing_bottom_right():
+    """Lq > Lk, bottom-right causal: the first Lq - Lk rows see no key: out 0, lse -inf, zero
+    gradients; with a sink their lse is the sink's score and their out 0."""
+    q, k, v = make_qkv(1, 2, 2, 9, 5, 16)
+    qb, kb, vb = (_dev(t.transpose(1, 2).contiguous()).requires_grad_() for t in (q, k, v))
+    out, lse = _triton.flash_attn(qb, kb, vb, 0.0, None, True)
+    assert torch.equal(out[:, :4].cpu(), torch.zeros(1, 4, 2, 16))
+    assert torch.isneginf(lse[:, :, :4]).all() and torch.isfinite(lse[:, :, 4:]).all()
+    out.sum().backward()
+    assert torch.equal(qb.grad[:, :4].cpu(), torch.zeros(1, 4, 2, 16))
+    assert not torch.isnan(kb.grad).any() and not torch.isnan(vb.grad).any()
+    sinks = _dev(torch.tensor([0.5, -1.0]))
+    out, lse = _triton.flash_attn(qb, kb, vb, 0.0, None, True, sinks=sinks)
+    torch.testing.assert_close(lse[0, :, :4].cpu(), sinks.cpu().view(2, 1).expand(2, 4))
+    assert torch.equal(out[:, :4].cpu(), torch.zeros(1, 4, 2, 16))
+
+
+@triton.jit
+def _band_tiles_kernel(KV, Q, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr,
+                       HAS_HI: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(a, b, c, hi) of kv_bounds for q tile t and of q_bounds for kv tile t (program t)."""
+    t = tl.program_id(0)
+    if t * BLOCK_M < Lq:
+        a, b, c, hi = kernel_common.kv_bounds(t * BLOCK_M, Lq, Lk, diag_lo, diag_hi, HAS_LO,
+                                              HAS_HI, BLOCK_M, BLOCK_N)
+        tl.store(KV + 4 * t + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, a, tl.where(
+            tl.arange(0, 4) == 1, b, tl.where(tl.arange(0, 4) == 2, c, hi))))
+    if t * BLOCK_N < Lk:
+        a, b, c, hi = kernel_common.q_bounds(t * BLOCK_N, Lq, Lk, diag_lo, diag_hi, HAS_LO,
+                                             HAS_HI, BLOCK_M, BLOCK_N)
+        tl.store(Q + 4 * t + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, a, tl.where(
+            tl.arange(0, 4) == 1, b, tl.where(tl.arange(0, 4) == 2, c, hi))))
+
+
+def band_tiles(lq, lk, var, BM, BN):
+    """The kernels' tile ranges of a call: (kv ranges per q tile, q ranges per kv tile)."""
+    kv = torch.zeros(triton.cdiv(lq, BM), 4, dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(triton.cdiv(lk, BN), 4, dtype=torch.int32, device=DEVICE)
+    _band_tiles_kernel[(max(kv.shape[0], q.shape[0]),)](
+        kv, q, lq, lk, var.diag_lo, var.diag_hi, HAS_LO=var.has_lo, HAS_HI=var.has_hi,
+        BLOCK_M=BM, BLOCK_N=BN)
+    return kv.cpu(), q.cpu()
+
+
+def test_band_tile_ranges_cover_the_band():
+    """kernels/common.py's kv_bounds / q_bounds against the visibility rule, element by element:
+    the tiles they visit hold every visible (row, key) pair, the interior tiles (run without
+    checks) only pairs that are visible and in range, for windows on either side, both
+    alignments, Lq above and below Lk, ragged ends."""
+    BM, BN = 16, 8
+    for lq, lk in ((37, 37), (20, 53), (53, 20), (64, 64), (1, 40)):
+        for left, right, bottom in ((-1, -1, False), (-1, 0, False), (-1, 0, True), (7, 0, True),
+                                    (12, 3, False), (0, 0, True), (5, -1, False), (30, 30, True)):
+            var = _triton.Variants(lq, lk, False, (left, right), bottom)
+            kv, q = band_tiles(lq, lk, var, BM, BN)
+            i = torch.arange(lq).view(-1, 1)
+            j = torch.arange(lk).view(1, -1)
+            seen = torch.ones(lq, lk, dtype=torch.bool)
+            if var.has_hi:
+                seen &= j <= i + var.diag_hi
+            if var.has_lo:
+                seen &= j >= i + var.diag_lo
+            what = f"{lq}x{lk} window ({left}, {right}) bottom_right={bottom}"
+            for tiles, tile_rows, tile_cols in ((kv, BM, BN), (q, BN, BM)):
+                visited = torch.zeros(lq, lk, dtype=torch.bool)
+                for t, (a, b, c, hi) in enumerate(tiles.tolist()):
+                    assert a <= b <= c and a % tile_cols == 0, (what, t, a, b, c, hi)
+                    assert b % tile_cols == 0 or b >= hi, (what, t, a, b, c, hi)
+                    for start in range(a, hi, tile_cols):
+                        rows = slice(t * tile_rows, (t + 1) * tile_rows)
+                        cols = slice(start, start + tile_cols)
+                        if tiles is q:
+                            rows, cols = cols, rows
+                        visited[rows, cols] = True
+                        if b <= start < c:  # interior: every pair in range visible
+                            block = seen[rows, cols]  # (rows past Lq sliced off: they add 0)
+                            assert block.all() and block.shape[1] == BN, (what, "interior", t,
+                                                                          start)
+                assert not (seen & ~visited).any(), (what, "a visible pair not visited")
+
+
 # ---- dropout ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -253,6 +392,11 @@ def test_gpu_path_validates_and_declines():
     assert "float64" in " ".join(triton_reasons(q.double(), k.double(), v.double()))
     big = torch.randn(1, 1, 4, 300)
     assert any("head dim" in r for r in triton_reasons(big, big, big))
+    # the variants are the Triton kernels' too
+    reasons = decide(q, k, v, None, 0.0, False, None, False, "direct", window_left=3,
+                     window_right=0, bottom_right=True, softcap=1.0,
+                     sinks=torch.zeros(2))["reasons"]["triton"]
+    assert reasons and not any("window" in r or "softcap" in r for r in reasons), reasons
     # declined calls still give PyTorch's answer
     out = gpu.sdpa(q.double(), k.double(), v.double())
     assert torch.allclose(out, F.scaled_dot_product_attention(q.double(), k.double(), v.double()))
@@ -398,6 +542,44 @@ def routed_cpu_standin(cpu_standin):
 
 
 @needs_interpreter
+def test_gpu_entry_points_send_variants_to_triton(routed_cpu_standin, spy, monkeypatch):
+    """The direct API's GPU entry points (flashsdpa.scaled_dot_product_attention and
+    flash_attn_func on xpu / cuda tensors: _gpu.sdpa, _gpu.flash_attn) run the variants on the
+    Triton kernels, forward and gradients; a call they decline (float64) takes flashsdpa's math
+    on PyTorch ops instead. The CPU stands in for the Triton device: the decision is taken as it
+    is for xpu tensors, where no CPU kernel is in front of the Triton kernels."""
+    def as_on_gpu(*args, **kw):
+        d = decide(*args, **kw)
+        if d["backend"] == "cpu" and not d["reasons"]["triton"]:
+            d["backend"] = "triton"
+        return d
+
+    monkeypatch.setattr(gpu, "decide", as_on_gpu)
+    q, k, v, kw = variant_tests.make_case("all", torch.float32)
+
+    def run_sdpa(q, k, v, kw):
+        return gpu.sdpa(q, k, v, enable_gqa=True, **_variant_kwargs(kw))
+
+    variant_tests.check(q, k, v, kw, torch.float32, "gpu.sdpa", run=run_sdpa)
+    assert spy["forward"] == 1 and spy["backward"] == 1, spy
+
+    def run_flash(q, k, v, kw):
+        var = _variant_kwargs(kw)
+        del var["attn_mask"], var["is_causal"]
+        out, _ = gpu.flash_attn(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, None, False,
+                                **var)
+        return out.transpose(1, 2)
+
+    variant_tests.check(q, k, v, kw, torch.float32, "gpu.flash_attn", run=run_flash,
+                        bottom_right=True)
+    assert spy["forward"] == 2 and spy["backward"] == 2, spy
+    out = run_sdpa(q.double(), k.double(), v.double(), kw)
+    ref, _ = variant_tests.reference(q, k, v, **kw)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    assert spy["forward"] == 2, spy
+
+
+@needs_interpreter
 @pytest.mark.parametrize("kw", [dict(is_causal=True), dict(dropout_p=0.0, scale=0.2)],
                          ids=["causal", "scale"])
 def test_f_sdpa_routes_to_triton_kernels(routed_cpu_standin, spy, kw):
@@ -479,7 +661,7 @@ def test_kernels_compile_for_nvidia_targets(arch):
     res = subprocess.run([sys.executable, script, str(arch)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 4, res.stdout
+    assert res.stdout.count("compiled") == 6, res.stdout  # 5 cases (triton_aot_check.CASES) + xpu
 
 
 # ---- the direct API's ops under torch.compile --------------------------------------------------------
@@ -493,6 +675,17 @@ def test_triton_ops_opcheck():
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
             mask, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args)
+    # with every variant (the sinks differentiable)
+    sinks = _dev(torch.randn(4)).requires_grad_()
+    var = dict(window_left=5, window_right=2, bottom_right=True, softcap=2.0,
+               alibi_slopes=_dev(torch.rand(4)), sinks=sinks)
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None),
+                          dict(var, lse_neg_inf=True))
+    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None, **var)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
+            mask, 0.0, True, None)
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
+                          dict(var, sinks=sinks.detach()))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -18,6 +18,10 @@ bench/results/variants.json); report.py renders its table.
     python bench/bench_variants.py --cases window --modes fwd --dtypes bf16 --repeats 3
     python bench/bench_variants.py --tiny --repeats 1     # smoke test (tests/test_bench.py)
     python bench/bench_sdpa.py --mode variants              # the same, from the main bench
+    python bench/bench_variants.py --device cuda --cases window --dtypes bf16   # a GPU
+With --device xpu|cuda the tensors live on that GPU: flashsdpa runs its Triton kernels, the peer
+is PyTorch's own SDPA on that device with the dense mask (its default backend choice); flex
+and eager are CPU-only peers here.
 """
 import argparse
 import math
@@ -32,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_sdpa import (Progress, add_run_args, apply_run_args, geomean,  # noqa: E402
-                        host_meta, save_json, time_case)
+                        gpu_name, host_meta, save_json, synchronize, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -141,14 +145,22 @@ def providers(name, kw, q, mode):
                q, k, v, is_causal=True, **kw),
            "flashsdpa plain": lambda q, k, v: flashsdpa.scaled_dot_product_attention(
                q, k, v, is_causal=True)}
+    gpu = q.device.type != "cpu"
     mask = dense_mask(name, kw, L, q.dtype)
     if mask is None:
         out["torch_flash+mask"] = "no dense-mask form"
+    elif gpu:  # PyTorch's choice of GPU kernel for a masked call
+        mask = mask.to(q.device)
+        out["torch_flash+mask"] = lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask)
     else:
         def torch_flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out["torch_flash+mask"] = torch_flash
+    if gpu:
+        out["flex"] = out["eager"] = "CPU-only peer"
+        return out
     if mode == "train":
         out["flex"] = "no CPU backward"
     else:
@@ -182,26 +194,30 @@ def check_agreement(calls, q, k, v):
 
 
 def make_step(call, q, k, v, extra, mode):
+    dev = q.device.type
     if mode == "fwd":
         def step():
             with torch.no_grad():
                 call(q, k, v)
+            synchronize(dev)
         return step
-    grad = torch.randn(q.shape, dtype=q.dtype)
+    grad = torch.randn(q.shape, dtype=q.dtype).to(q.device)
 
     def step():
         for t in (q, k, v, *extra):
             t.grad = None
         call(q, k, v).backward(grad)
+        synchronize(dev)
     return step
 
 
-def run_case(name, dtype, mode, repeats):
+def run_case(name, dtype, mode, repeats, device="cpu"):
     (B, H, L, D), _, targets = CASES[name]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, H, L, D, generator=g).to(dtype).requires_grad_(mode == "train")
-               for _ in range(3))
-    kw = variant_kwargs(name, H, mode)
+    q, k, v = (torch.randn(B, H, L, D, generator=g).to(device, dtype)
+               .requires_grad_(mode == "train") for _ in range(3))
+    kw = {n: t.detach().to(device).requires_grad_(t.requires_grad) if torch.is_tensor(t) else t
+          for n, t in variant_kwargs(name, H, mode).items()}
     extra = [kw["sinks"]] if mode == "train" and "sinks" in kw else []
     calls = providers(name, kw, q, mode)
     steps = {p: make_step(c, q, k, v, extra, mode) for p, c in calls.items() if callable(c)}
@@ -224,7 +240,7 @@ def run_case(name, dtype, mode, repeats):
 
 
 def markdown(meta, rows):
-    lines = [f"variants | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
+    lines = [f"variants | {meta.get('gpu') or meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
              "tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
              "| case (B,H,L,D), causal | dtype | mode | flashsdpa ms | plain causal ms | "
              "vs plain (target) | " + " | ".join(f"{p} ms (x)" for p in PEERS) + " |",
@@ -259,8 +275,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--modes", default="fwd,train")
+    ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     add_run_args(ap, "variants.json", "rounds per case (default: fwd 7, train 5)")
     args = ap.parse_args(argv)
+    if args.device != "cpu" and not getattr(torch, args.device).is_available():
+        raise SystemExit(f"--device {args.device}: no such device available to PyTorch")
     dtypes, cases, modes = apply_run_args(ap, args, case=(args.cases, CASES),
                                           mode=(args.modes, DEFAULT_REPEATS))
     if args.tiny:
@@ -268,13 +287,16 @@ def main(argv=None):
             if "window_size" in kw:
                 kw = dict(kw, window_size=(64, 0))
             CASES[name] = ((B, 2, 256, 32), kw, targets)
-    meta = host_meta("variants")
+    meta = dict(host_meta("variants"), device=args.device)
+    if args.device != "cpu":
+        meta["gpu"] = gpu_name(args.device)
     rows = []
     progress = Progress(len(cases) * len(modes) * len(dtypes))
     for name in cases:
         for mode in modes:
             for dtype in dtypes:
-                r = run_case(name, dtype, mode, args.repeats or DEFAULT_REPEATS[mode])
+                r = run_case(name, dtype, mode, args.repeats or DEFAULT_REPEATS[mode],
+                             args.device)
                 rows.append(r)
                 progress.case_done(f"{name} {mode} {r['dtype']}: vs plain {r['vs_plain']:.3f} "
                                    f"({'met' if r['met'] else 'MISSED'}); "

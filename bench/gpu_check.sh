@@ -39,4 +39,7 @@ timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode fwd --dtypes fp16,
   --shapes "$SHAPES" --repeats 5 --tag gpu_fwd --out-dir bench/results
 timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode train --dtypes fp16,bf16 \
   --causal yes --shapes "$SHAPES" --repeats 5 --tag gpu_train --out-dir bench/results
+# sliding window (1024, 0) against plain causal at L = 8192 (the tiles outside the band skipped)
+timeout 90 $PY bench/bench_variants.py --device "$DEVICE" --cases window --modes fwd,train \
+  --dtypes bf16 --repeats 5 --out bench/results/gpu_variants.json
 exit $test_rc

@@ -287,9 +287,21 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     else:
         lines.append(f"  runs: flashsdpa Triton kernels on {query.device.type} (FA2 forward, "
                      "dK/dV + dQ backward; fp32 accumulation, natural-log LSE)")
+        features = []
         if dropout_p > 0:
-            lines.append(f"  with: dropout p={dropout_p} (Triton Philox keep-mask, "
-                         "regenerated in backward)")
+            features.append(f"dropout p={dropout_p} (Triton Philox keep-mask, regenerated in "
+                            "backward)")
+        left, right = variants.get("window_left", -1), variants.get("window_right", -1)
+        if left != -1 or right != -1:
+            features.append(f"sliding window ({left}, {right}): kv tiles outside the band skipped")
+        if variants.get("softcap"):
+            features.append(f"softcap {variants['softcap']}")
+        if variants.get("alibi_slopes") is not None:
+            features.append("ALiBi bias computed in the score tiles")
+        if variants.get("sinks") is not None:
+            features.append("attention sinks (their gradient from the rows' lse and delta)")
+        if features:
+            lines.append("  with: " + "; ".join(features))
     lines.append(f"  kernel: {d['kernel']}")
     if variants:  # F.scaled_dot_product_attention has no variant arguments
         return "\n".join(lines)

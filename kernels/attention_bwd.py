@@ -114,7 +114,9 @@ def attn_bwd_dkdv_kernel(
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-        for start_m in range(a, b_, BLOCK_M):
+        n_lo = tl.cdiv(b_ - a, BLOCK_M)  # the edge tiles: [a, b_) then [c, hi)
+        for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_M)):
+            start_m = tl.where(t < n_lo, a + t * BLOCK_M, c + (t - n_lo) * BLOCK_M)
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
                                 DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
                                 cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
@@ -128,13 +130,6 @@ def attn_bwd_dkdv_kernel(
                                 slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
                                 HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
                                 False, BLOCK_M)
-        for start_m in range(c, hi, BLOCK_M):
-            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
-                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
-                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
-                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
-                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
-                                True, BLOCK_M)
 
     n_ok = offs_n[:, None] < Lk
     tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
@@ -204,7 +199,9 @@ def attn_bwd_dq_kernel(
         slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
     a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M,
                              BLOCK_N)  # as the forward
-    for start_n in range(a, b_, BLOCK_N):
+    n_lo = tl.cdiv(b_ - a, BLOCK_N)  # the edge tiles: [a, b_) then [c, hi)
+    for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_N)):
+        start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
                       diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
@@ -215,12 +212,6 @@ def attn_bwd_dq_kernel(
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
                       diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
                       HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False,
-                      BLOCK_N)
-    for start_n in range(c, hi, BLOCK_N):
-        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
-                      qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
-                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True,
                       BLOCK_N)
 
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],

@@ -93,7 +93,9 @@ def attn_fwd_kernel(
 
     # the band's edge tiles are checked ([a, b) and [c, hi)), the interior ones are not
     a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
-    for start_n in range(a, b_, BLOCK_N):
+    n_lo = tl.cdiv(b_ - a, BLOCK_N)  # the edge tiles: [a, b_) then [c, hi)
+    for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_N)):
+        start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
@@ -105,12 +107,6 @@ def attn_fwd_kernel(
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
                                   HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
                                   DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
-    for start_n in range(c, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
-                                  qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
-                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
-                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
-                                  DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

@@ -240,7 +240,8 @@ def run_case(name, dtype, mode, repeats, device="cpu"):
 
 
 def markdown(meta, rows):
-    lines = [f"variants | {meta.get('gpu') or meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
+    where = meta.get("gpu") or meta["cpu"]
+    lines = [f"variants | {where} | {meta['threads']} threads | torch {meta['torch']} | "
              "tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
              "| case (B,H,L,D), causal | dtype | mode | flashsdpa ms | plain causal ms | "
              "vs plain (target) | " + " | ".join(f"{p} ms (x)" for p in PEERS) + " |",

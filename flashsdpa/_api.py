@@ -80,9 +80,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     always is (accepted for flash-attn compatibility). Differentiable in q, k, v and sinks.
     """
     del deterministic  # every flashsdpa backward is deterministic
-    left, right = _window(window_size)
-    variants = dict(window_left=left, window_right=right, softcap=float(softcap),
-                    alibi_slopes=alibi_slopes, sinks=sinks)
+    variants = _variants(window_size, softcap, alibi_slopes, sinks) or {}
     if q.device.type in GPU_DEVICE_TYPES:
         out, lse = _gpu.flash_attn(q, k, v, dropout_p, softmax_scale, causal, **variants)
     else:
@@ -211,6 +209,22 @@ _PATHS = (("decode", "split-KV decode (short queries; K/V read in place)"),
           ("prepack", "K^T / V panels packed once for every q block"))
 
 
+def _variant_features(variants):
+    """explain()'s words for a call's variants, the same for the CPU and the Triton kernels."""
+    features = []
+    left, right = variants.get("window_left", -1), variants.get("window_right", -1)
+    if left != -1 or right != -1:
+        features.append(f"sliding window ({left}, {right}): key blocks outside the band skipped")
+    if variants.get("softcap"):
+        features.append(f"softcap {variants['softcap']} (tanh in the score pass, its derivative "
+                        "in the backward)")
+    if variants.get("alibi_slopes") is not None:
+        features.append("ALiBi bias computed in the score pass")
+    if variants.get("sinks") is not None:
+        features.append("attention sinks in the softmax state (their gradient in the backward)")
+    return features
+
+
 def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants):
     dt = d["dtype"]  # what runs, after autocast
     tier = d["policy"]["tier"]
@@ -230,16 +244,7 @@ def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants):
         features.append(f"grouped-query attention, group {group} (K/V not repeated)")
     if dropout_p > 0:
         features.append(f"dropout p={dropout_p} (Philox keep-mask, regenerated in backward)")
-    left, right = variants.get("window_left", -1), variants.get("window_right", -1)
-    if left != -1 or right != -1:
-        features.append(f"sliding window ({left}, {right}): key blocks outside the band skipped")
-    if variants.get("softcap"):
-        features.append(f"softcap {variants['softcap']} (tanh in the score pass, its derivative "
-                        "in the backward)")
-    if variants.get("alibi_slopes") is not None:
-        features.append("ALiBi bias computed in the score pass")
-    if variants.get("sinks") is not None:
-        features.append("attention sinks in the softmax state (their gradient in the backward)")
+    features += _variant_features(variants)
     features += [text for key_, text in _PATHS if d["policy"][key_]]
     if features:
         lines.append("  with: " + "; ".join(features))
@@ -291,15 +296,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
         if dropout_p > 0:
             features.append(f"dropout p={dropout_p} (Triton Philox keep-mask, regenerated in "
                             "backward)")
-        left, right = variants.get("window_left", -1), variants.get("window_right", -1)
-        if left != -1 or right != -1:
-            features.append(f"sliding window ({left}, {right}): kv tiles outside the band skipped")
-        if variants.get("softcap"):
-            features.append(f"softcap {variants['softcap']}")
-        if variants.get("alibi_slopes") is not None:
-            features.append("ALiBi bias computed in the score tiles")
-        if variants.get("sinks") is not None:
-            features.append("attention sinks (their gradient from the rows' lse and delta)")
+        features += _variant_features(variants)
         if features:
             lines.append("  with: " + "; ".join(features))
     lines.append(f"  kernel: {d['kernel']}")

@@ -204,6 +204,13 @@ class Variants:
         return float(scale) / self.softcap, self.softcap * LOG2E
 
 
+def _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
+                 alibi_slopes, sinks):
+    """The Variants of an op call's arguments (the forward and backward ops take the same)."""
+    return Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
+                    bottom_right, softcap, alibi_slopes, sinks, query.device)
+
+
 def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv):
     """The compile-time arguments the forward and both backward kernels share."""
     return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, HAS_LO=var.has_lo,
@@ -342,8 +349,8 @@ def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
             lse_neg_inf: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = new_rng_state() if dropout_p > 0 else (0, 0)
-    var = Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
-                   bottom_right, softcap, alibi_slopes, sinks, query.device)
+    var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
+                       alibi_slopes, sinks)
     out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng, var=var,
                        lse_empty=-math.inf if lse_neg_inf else 0.0)
     return out, lse, torch.tensor(rng, dtype=torch.int64)
@@ -368,8 +375,8 @@ def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty without sinks (an op returns no None)."""
     rng = tuple(int(x) for x in rng_state.tolist())
-    var = Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
-                   bottom_right, softcap, alibi_slopes, sinks, query.device)
+    var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
+                       alibi_slopes, sinks)
     dq, dk, dv, dsinks = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
                                   is_causal, scale, rng, var)
     if dsinks is None:

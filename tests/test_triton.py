@@ -204,17 +204,17 @@ VARIANT_CASES = list(variant_tests.CASES)
 
 
 def _variant_kwargs(kw):
-    """test_variants' keywords -> the Triton API's (the ops' variant keywords)."""
+    """test_variants' variant keywords -> the ops' (window_left .. sinks), tensors on DEVICE."""
     left, right = kw.get("window", (-1, -1))
-    return dict(attn_mask=kw.get("mask"), is_causal=kw.get("causal", False),
-                window_left=left, window_right=right, softcap=kw.get("softcap", 0.0),
-                alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"))
+    return dict(window_left=left, window_right=right, softcap=kw.get("softcap", 0.0),
+                alibi_slopes=_dev(kw.get("alibi")), sinks=_dev(kw.get("sinks")))
 
 
 def _triton_variants(q, k, v, kw):
     """_triton.scaled_dot_product_attention on DEVICE with test_variants' keywords."""
-    kw = {n: _dev(t) if isinstance(t, torch.Tensor) else t for n, t in _variant_kwargs(kw).items()}
-    return _triton.scaled_dot_product_attention(_dev(q), _dev(k), _dev(v), **kw).cpu()
+    return _triton.scaled_dot_product_attention(
+        _dev(q), _dev(k), _dev(v), attn_mask=_dev(kw.get("mask")),
+        is_causal=kw.get("causal", False), **_variant_kwargs(kw)).cpu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
@@ -235,11 +235,8 @@ def test_flash_attn_bottom_right(dtype, lq, lk):
               sinks=torch.randn(4, generator=g))
 
     def run(q, k, v, kw):
-        var = {n: _dev(t) if isinstance(t, torch.Tensor) else t
-               for n, t in _variant_kwargs(kw).items()}
-        del var["attn_mask"], var["is_causal"]
         out, lse = _triton.flash_attn(*(_dev(t).transpose(1, 2) for t in (q, k, v)), 0.0, None,
-                                      kw["causal"], **var)
+                                      kw["causal"], **_variant_kwargs(kw))
         ref_lse = variant_tests.reference(q.detach(), k.detach(), v.detach(), bottom_right=True,
                                           **dict(kw, sinks=kw["sinks"].detach()))[1]
         torch.testing.assert_close(lse.cpu(), ref_lse.float(), atol=1e-5, rtol=1e-5)
@@ -274,13 +271,17 @@ def _band_tiles_kernel(KV, Q, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr,
     if t * BLOCK_M < Lq:
         a, b, c, hi = kernel_common.kv_bounds(t * BLOCK_M, Lq, Lk, diag_lo, diag_hi, HAS_LO,
                                               HAS_HI, BLOCK_M, BLOCK_N)
-        tl.store(KV + 4 * t + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, a, tl.where(
-            tl.arange(0, 4) == 1, b, tl.where(tl.arange(0, 4) == 2, c, hi))))
+        tl.store(KV + 4 * t, a)
+        tl.store(KV + 4 * t + 1, b)
+        tl.store(KV + 4 * t + 2, c)
+        tl.store(KV + 4 * t + 3, hi)
     if t * BLOCK_N < Lk:
         a, b, c, hi = kernel_common.q_bounds(t * BLOCK_N, Lq, Lk, diag_lo, diag_hi, HAS_LO,
                                              HAS_HI, BLOCK_M, BLOCK_N)
-        tl.store(Q + 4 * t + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, a, tl.where(
-            tl.arange(0, 4) == 1, b, tl.where(tl.arange(0, 4) == 2, c, hi))))
+        tl.store(Q + 4 * t, a)
+        tl.store(Q + 4 * t + 1, b)
+        tl.store(Q + 4 * t + 2, c)
+        tl.store(Q + 4 * t + 3, hi)
 
 
 def band_tiles(lq, lk, var, BM, BN):
@@ -558,16 +559,15 @@ def test_gpu_entry_points_send_variants_to_triton(routed_cpu_standin, spy, monke
     q, k, v, kw = variant_tests.make_case("all", torch.float32)
 
     def run_sdpa(q, k, v, kw):
-        return gpu.sdpa(q, k, v, enable_gqa=True, **_variant_kwargs(kw))
+        return gpu.sdpa(q, k, v, kw.get("mask"), is_causal=kw.get("causal", False),
+                        enable_gqa=True, **_variant_kwargs(kw))
 
     variant_tests.check(q, k, v, kw, torch.float32, "gpu.sdpa", run=run_sdpa)
     assert spy["forward"] == 1 and spy["backward"] == 1, spy
 
     def run_flash(q, k, v, kw):
-        var = _variant_kwargs(kw)
-        del var["attn_mask"], var["is_causal"]
         out, _ = gpu.flash_attn(*(t.transpose(1, 2) for t in (q, k, v)), 0.0, None, False,
-                                **var)
+                                **_variant_kwargs(kw))
         return out.transpose(1, 2)
 
     variant_tests.check(q, k, v, kw, torch.float32, "gpu.flash_attn", run=run_flash,

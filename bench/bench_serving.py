@@ -19,6 +19,10 @@ output is checked against flashsdpa's before timing. Results: bench/out/serving.
     python bench/bench_serving.py                  # every case, fp32 and bf16
     python bench/bench_serving.py --cases decode --dtypes bf16
     python bench/bench_sdpa.py --mode serving      # the same, from the main bench
+    python bench/bench_serving.py --device cuda --cases varlen --dtypes bf16   # a GPU
+With --device xpu|cuda (the varlen case only: there is no Triton decode kernel yet) the tensors
+live on that GPU: flashsdpa runs its Triton kernels once over the packed batch, the loop its
+Triton kernels per sequence, and torch (padded) PyTorch's own SDPA with the mask.
 """
 import argparse
 import os
@@ -32,7 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peak  # noqa: E402
 from bench_sdpa import (Progress, add_run_args, apply_run_args, geomean,  # noqa: E402
-                        host_meta, save_json, time_case)
+                        gpu_name, host_meta, save_json, synchronize, time_case)
 
 import flashsdpa  # noqa: E402
 
@@ -126,18 +130,19 @@ def kv_providers(c, dtype, g):
     return calls, refs, kv_bytes
 
 
-def varlen_providers(c, dtype, g):
+def varlen_providers(c, dtype, g, device="cpu"):
     lens, H, D = c["lens"], c["H"], c["D"]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T, L = sum(lens), max(lens)
-    q, k, v = (torch.randn(T, H, D, generator=g).to(dtype) for _ in range(3))
+    q, k, v = (torch.randn(T, H, D, generator=g).to(device, dtype) for _ in range(3))
     bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
-    pad = torch.zeros(len(lens), 3, L, H, D, dtype=dtype)
+    cu = cu.to(device)
+    pad = torch.zeros(len(lens), 3, L, H, D, dtype=dtype, device=device)
     for s, (a, b) in enumerate(bounds):
         for t, x in enumerate((q, k, v)):
             pad[s, t, :b - a] = x[a:b]
     valid = torch.arange(L)[None] < torch.tensor(lens)[:, None]  # (batch, L)
-    mask = (valid[:, None, :] & torch.ones(L, L, dtype=torch.bool).tril()).unsqueeze(1)
+    mask = (valid[:, None, :] & torch.ones(L, L, dtype=torch.bool).tril()).unsqueeze(1).to(device)
 
     def padded():
         out = F.scaled_dot_product_attention(*(pad[:, t].transpose(1, 2) for t in range(3)),
@@ -153,10 +158,13 @@ def varlen_providers(c, dtype, g):
     return calls, {}, None
 
 
-def run_case(name, dtype, repeats, read_mib):
+def run_case(name, dtype, repeats, read_mib, device="cpu"):
     kind, what, c = CASES[name]
     g = torch.Generator().manual_seed(0)
-    calls, refs, kv_bytes = (kv_providers if kind == "decode" else varlen_providers)(c, dtype, g)
+    if kind == "decode":
+        calls, refs, kv_bytes = kv_providers(c, dtype, g)
+    else:
+        calls, refs, kv_bytes = varlen_providers(c, dtype, g, device)
     with torch.no_grad():
         ours = calls["flashsdpa"]().float()
         diffs = {p: (f().float() - (refs[p]().float() if p in refs else ours)).abs().max().item()
@@ -170,11 +178,12 @@ def run_case(name, dtype, repeats, read_mib):
         def step():
             with torch.no_grad():
                 f()
+            synchronize(device)
         return step
     samples = time_case({p: no_grad(f) for p, f in calls.items()}, repeats)
     ms = {p: statistics.median(s) * 1e3 for p, s in samples.items()}
     row = {"case": name, "kind": kind, "what": what, "dtype": str(dtype).replace("torch.", ""),
-           "ms": ms, "max_abs_diff": diffs,
+           "device": device, "ms": ms, "max_abs_diff": diffs,
            "speedup": {p: ms[p] / ms["flashsdpa"] for p in ms if p != "flashsdpa"}}
     if kind == "decode" and c["lq"] == 1:
         # Bandwidth: flashsdpa's providers timed again on their own, each round's read probe
@@ -197,8 +206,9 @@ def run_case(name, dtype, repeats, read_mib):
 
 
 def markdown(meta, rows):
-    lines = [f"serving | {meta['cpu']} | {meta['threads']} threads | torch {meta['torch']} | "
-             "tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
+    where = f"{meta['gpu']} (Triton) | " if meta.get("gpu") else ""
+    lines = [f"serving | {where}{meta['cpu']} | {meta['threads']} threads | "
+             f"torch {meta['torch']} | tiers " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()), "",
              "| case | dtype | flashsdpa ms | other providers ms (flashsdpa's speedup) | "
              "K+V GB/s (% of read probe), flashsdpa timed alone |", "|---|---|---|---|---|"]
     for r in rows:
@@ -230,9 +240,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--peak-read-mib", type=int, default=1024)
+    ap.add_argument("--device", choices=["cpu", "xpu", "cuda"], default="cpu")
     add_run_args(ap, "serving.json", "rounds per case (default: decode 11, varlen 3)")
     args = ap.parse_args(argv)
     dtypes, cases = apply_run_args(ap, args, case=(args.cases, CASES))
+    if args.device != "cpu":
+        if not getattr(torch, args.device).is_available():
+            raise SystemExit(f"--device {args.device}: no such device available to PyTorch")
+        decode = [n for n in cases if CASES[n][0] == "decode"]
+        if decode:
+            ap.error(f"--device {args.device}: cases {', '.join(decode)} need the KV-cache path, "
+                     "which is CPU-only so far (--cases varlen)")
     if args.tiny:
         for name, (kind, what, c) in list(CASES.items()):
             c = dict(c)
@@ -243,14 +261,16 @@ def main(argv=None):
             else:
                 c.update(lens=[120, 5, 9, 0, 1], H=2, D=16)
             CASES[name] = (kind, what + " (tiny)", c)
-    meta = host_meta("serving")
+    meta = dict(host_meta("serving"), device=args.device)
+    if args.device != "cpu":
+        meta["gpu"] = gpu_name(args.device)
     rows = []
     progress = Progress(len(cases) * len(dtypes))
     for name in cases:
         for dtype in dtypes:
             kind = CASES[name][0]
             rows.append(run_case(name, dtype, args.repeats or DEFAULT_REPEATS[kind],
-                                 args.peak_read_mib))
+                                 args.peak_read_mib, args.device))
             r = rows[-1]
             progress.case_done(
                 f"{name} {r['dtype']}: flashsdpa {r['ms']['flashsdpa']:.2f} ms; "

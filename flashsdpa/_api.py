@@ -108,7 +108,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     and windows, softcap, alibi_slopes (H,) or (batch, H), sinks (H,), dropout); positions
     (ALiBi, windows) count from each sequence's start. Differentiable in q, k, v and sinks. One
     kernel call for the whole batch: its work is split across and within the sequences.
-    float64 and GPU tensors run flash_attn_func per sequence (math fallback for the variants).
+    On xpu / cuda tensors the Triton kernels likewise run once over the whole batch (a grid over
+    cu_seqlens); float64, and GPU calls the Triton kernels decline, run flash_attn_func per
+    sequence (math fallback for the variants).
     """
     del deterministic  # every flashsdpa backward is deterministic
     left, right = _window(window_size)
@@ -120,6 +122,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                     softcap=float(softcap), alibi_slopes=alibi_slopes,
                                     sinks=sinks)
         return (out, lse) if return_lse else out
+    if q.device.type in GPU_DEVICE_TYPES:
+        variants = _variants((left, right), softcap, alibi_slopes, sinks) or {}
+        res = _gpu.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, dropout_p, softmax_scale, causal, **variants)
+        if res is not None:
+            return res if return_lse else res[0]
     # per sequence, through flash_attn_func (its routing; the same checks of cu_seqlens)
     cu_q, cu_k = _C.check_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), q.shape[0], k.shape[0],
                                   int(max_seqlen_q), int(max_seqlen_k))

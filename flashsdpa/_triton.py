@@ -205,18 +205,44 @@ class Variants:
 
 
 def _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
-                 alibi_slopes, sinks):
-    """The Variants of an op call's arguments (the forward and backward ops take the same)."""
-    return Variants(query.shape[2], key.shape[2], is_causal, (window_left, window_right),
-                    bottom_right, softcap, alibi_slopes, sinks, query.device)
+                 alibi_slopes, sinks, packed=False):
+    """The Variants of an op call's arguments (the forward and backward ops take the same). A
+    packed call's band is relative to each sequence's bottom-right diagonal (the kernels add
+    lk - lq per sequence: common.sequence), so it is built for lq = lk."""
+    lq, lk = (0, 0) if packed else (query.shape[2], key.shape[2])
+    return Variants(lq, lk, is_causal, (window_left, window_right), bottom_right, softcap,
+                    alibi_slopes, sinks, query.device)
 
 
-def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv):
+class Packed:
+    """A packed (varlen) call as the launchers take it: the (1, H, total, D) views' sequences
+    (cu_seqlens int32 on the tensors' device, validated by the caller) and the longest ones,
+    which size the grids."""
+
+    def __init__(self, cu_q, cu_k, max_q, max_k):
+        self.cu_q, self.cu_k = cu_q, cu_k
+        self.max_q, self.max_k = int(max_q), int(max_k)
+        self.count = cu_q.numel() - 1
+
+
+def _packing(query, lk, packed):
+    """(sequences, grid rows, grid keys, the kernels' (Lq, Lk), CuQ, CuK) of a launch: a batched
+    call's batch and lengths, or a packed call's sequences, longest lengths and (total_q,
+    max_seqlen_k), the sizes dropout indices run over (common.dropout_row0)."""
+    b, _, lq, _ = query.shape
+    if packed is None:
+        return b, lq, lk, (lq, lk), query, query
+    return (packed.count, packed.max_q, packed.max_k, (lq, packed.max_k), packed.cu_q,
+            packed.cu_k)
+
+
+def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv, packed):
     """The compile-time arguments the forward and both backward kernels share."""
     return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, HAS_LO=var.has_lo,
                 HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap), HAS_ALIBI=var.alibi is not None,
                 DROPOUT=dropout_p > 0, UPCAST=_upcast(dtype), PRECISION=_precision(dtype),
-                BLOCK_D=_next_pow2(max(16, d)), BLOCK_DV=_next_pow2(max(16, dv)))
+                VARLEN=packed is not None, BLOCK_D=_next_pow2(max(16, d)),
+                BLOCK_DV=_next_pow2(max(16, dv)))
 
 
 def _finish(buf, dest):
@@ -236,12 +262,13 @@ def new_rng_state():
 # ---- forward / backward -------------------------------------------------------------------------
 
 def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-            rng=(0, 0), out=None, var=None, lse_empty=0.0):
+            rng=(0, 0), out=None, var=None, lse_empty=0.0, packed=None):
     """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32).
 
     Hq must be a multiple of Hkv (GQA). `out` may be given (any layout). var: the call's
     Variants (None: plain, causal from is_causal); lse_empty: the lse of a row that sees no key
-    and has no sink (0, or -inf for flash-attn's API)."""
+    and has no sink (0, or -inf for flash-attn's API). packed: a Packed call (B = 1, the rows
+    the sequences' concatenation; no mask)."""
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     if scale is None:
@@ -266,24 +293,25 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     buf = _kernel_target(out)
     blocks, opts = configs.forward_config(max(d, dv))
-    grid = (triton_cdiv(lq, blocks["BLOCK_M"]), b * hq)
+    seqs, rows, _, sizes, cu_q, cu_k = _packing(query, lk, packed)
+    grid = (triton_cdiv(rows, blocks["BLOCK_M"]), seqs * hq)
     fwd.attn_fwd_kernel[grid](
         q, k, v, mask if mask is not None else q, buf, lse,
         var.alibi if var.alibi is not None else lse, var.sinks if var.sinks is not None else lse,
-        *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
+        cu_q, cu_k, *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)), *_stride4(lse),
-        *var.alibi_strides(), hq, hkv, lq, lk, d, dv, *var.scalars(),
+        *var.alibi_strides(), hq, hkv, *sizes, d, dv, *var.scalars(),
         float(scale) * LOG2E, *var.cap_scales(scale), float(lse_empty), float(dropout_p),
         int(rng[0]), int(rng[1]), HAS_SINKS=var.sinks is not None,
-        **_constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv),
+        **_constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed),
         **blocks, **opts)
     return _finish(buf, out), lse
 
 
 def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
-             is_causal=False, scale=None, rng=(0, 0), var=None):
+             is_causal=False, scale=None, rng=(0, 0), var=None, packed=None):
     """Gradients (dq, dk, dv, dsinks), each laid out like its input (torch.empty_like); dsinks
-    None without sinks. var: the forward's Variants."""
+    None without sinks. var, packed: the forward's."""
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     if scale is None:
@@ -292,8 +320,9 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
         var = Variants(lq, lk, is_causal)
     dq, dk, dvv = (_poisoned(torch.empty_like(t)) for t in (query, key, value))
     delta = (out.float() * grad_out.float()).sum(-1).contiguous()     # [B, Hq, Lq]
-    # rows that see no key: lse -inf (flash-attn's API) is taken as 0, where their P is 0
-    lse = lse.float().masked_fill(torch.isneginf(lse), 0.0)
+    # rows that see no key: lse -inf (flash-attn's API) is taken as 0, where their P is 0;
+    # contiguous like delta, whose strides the kernels read it with
+    lse = lse.float().masked_fill(torch.isneginf(lse), 0.0).contiguous()
     # d sink_h = -sum over the rows of head h of P(sink) * delta, P(sink) = exp(sink - lse)
     dsinks = None if var.sinks is None else \
         -(torch.exp(var.sinks.view(1, hq, 1) - lse) * delta).sum((0, 2))
@@ -303,19 +332,20 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
     q, k, v, do = (_for_descriptor(t) for t in (query, key, value, grad_out))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     dq_buf, dk_buf, dv_buf = _kernel_target(dq), _kernel_target(dk), _kernel_target(dvv)
-    common = _constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv)
+    common = _constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed)
+    seqs, rows, keys, sizes, cu_q, cu_k = _packing(query, lk, packed)
     mstrides = mask.stride() if mask is not None else (0, 0, 0, 0)
-    args_in = (*_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
+    args_in = (cu_q, cu_k, *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
                *_stride4(lse), *var.alibi_strides())
-    scalars = (hq, hkv, lq, lk, d, dv, *var.scalars(), float(scale) * LOG2E,
+    scalars = (hq, hkv, *sizes, d, dv, *var.scalars(), float(scale) * LOG2E,
                *var.cap_scales(scale), float(scale), float(dropout_p), int(rng[0]), int(rng[1]))
     (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(max(d, dv))
     mask_arg = mask if mask is not None else q
     alibi = var.alibi if var.alibi is not None else lse
-    bwd.attn_bwd_dkdv_kernel[(triton_cdiv(lk, kv_blocks["BLOCK_N"]), b * hkv)](
+    bwd.attn_bwd_dkdv_kernel[(triton_cdiv(keys, kv_blocks["BLOCK_N"]), seqs * hkv)](
         q, k, v, mask_arg, do, lse, delta, dk_buf, dv_buf, alibi, *args_in,
         *_stride4(dk_buf), *_stride4(dv_buf), *scalars, **common, **kv_blocks, **kv_opts)
-    bwd.attn_bwd_dq_kernel[(triton_cdiv(lq, q_blocks["BLOCK_M"]), b * hq)](
+    bwd.attn_bwd_dq_kernel[(triton_cdiv(rows, q_blocks["BLOCK_M"]), seqs * hq)](
         q, k, v, mask_arg, do, lse, delta, dq_buf, alibi, *args_in,
         *_stride4(dq_buf), *scalars, **common, **q_blocks, **q_opts)
     return _finish(dq_buf, dq), _finish(dk_buf, dk), _finish(dv_buf, dvv), dsinks
@@ -347,18 +377,30 @@ def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             scale: Optional[float], window_left: int = -1, window_right: int = -1,
             bottom_right: bool = False, softcap: float = 0.0,
             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-            lse_neg_inf: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            lse_neg_inf: bool = False, cu_seqlens_q: Optional[torch.Tensor] = None,
+            cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+            max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, rng state). With cu_seqlens_q / _k (int32, on the tensors' device, checked by
+    the caller) a packed call: (1, H, total, D) views of flash_attn_varlen_func's tensors, each
+    sequence bottom-right aligned (its semantics), no mask."""
     rng = new_rng_state() if dropout_p > 0 else (0, 0)
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
-                       alibi_slopes, sinks)
+                       alibi_slopes, sinks, packed is not None)
     out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng, var=var,
-                       lse_empty=-math.inf if lse_neg_inf else 0.0)
+                       lse_empty=-math.inf if lse_neg_inf else 0.0, packed=packed)
     return out, lse, torch.tensor(rng, dtype=torch.int64)
+
+
+def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    return None if cu_seqlens_q is None else Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                    max_seqlen_k)
 
 
 @_fwd_op.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left=-1, window_right=-1,
-      bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None, lse_neg_inf=False):
+      bottom_right=False, softcap=0.0, alibi_slopes=None, sinks=None, lse_neg_inf=False,
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     b, hq, lq = query.shape[:3]
     out = alloc_like_query(query, (b, hq, lq, value.shape[3]))
     lse = query.new_empty((b, hq, lq), dtype=torch.float32)
@@ -371,14 +413,17 @@ def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
             attn_mask: Optional[torch.Tensor], dropout_p: float, is_causal: bool,
             scale: Optional[float], window_left: int = -1, window_right: int = -1,
             bottom_right: bool = False, softcap: float = 0.0,
-            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+            cu_seqlens_q: Optional[torch.Tensor] = None,
+            cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
+            max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsinks); dsinks is empty without sinks (an op returns no None)."""
     rng = tuple(int(x) for x in rng_state.tolist())
+    packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
-                       alibi_slopes, sinks)
+                       alibi_slopes, sinks, packed is not None)
     dq, dk, dv, dsinks = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
-                                  is_causal, scale, rng, var)
+                                  is_causal, scale, rng, var, packed)
     if dsinks is None:
         dsinks = lse.new_empty(0)
     return dq, dk, dv, dsinks
@@ -387,7 +432,7 @@ def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
 @_bwd_op.register_fake
 def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal, scale,
       window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None,
-      sinks=None):
+      sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     dsinks = lse.new_empty(0) if sinks is None else torch.empty_like(sinks, dtype=torch.float32)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
 
@@ -398,16 +443,18 @@ def _setup_context(ctx, inputs, output):
     out, lse, rng_state = output
     ctx.save_for_backward(query, key, value, out, lse, rng_state)
     ctx.mask, ctx.args, ctx.variants = attn_mask, (dropout_p, is_causal, scale), variants
+    ctx.packing = inputs[14:18]  # cu_seqlens_q .. max_seqlen_k
     ctx.mark_non_differentiable(lse, rng_state)
 
 
 def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
     query, key, value, out, lse, rng_state = ctx.saved_tensors
     dq, dk, dv, dsinks = _bwd_op(grad_out, query, key, value, out, lse, rng_state, ctx.mask,
-                                 *ctx.args, *ctx.variants)
+                                 *ctx.args, *ctx.variants, *ctx.packing)
     sinks = ctx.variants[-1]
     dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None, dsinks, None)
+    # one gradient per op argument: query, key, value, then None up to sinks' and after it
+    return (dq, dk, dv, *(None,) * 9, dsinks, *(None,) * 5)
 
 
 _fwd_op.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -434,3 +481,18 @@ def flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **varia
                           None if softmax_scale is None else float(softmax_scale),
                           bottom_right=True, lse_neg_inf=True, **variants)
     return out.transpose(1, 2), lse
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p=0.0, softmax_scale=None, causal=False, **variants):
+    """flash_attn_varlen_func on the Triton kernels, one launch per kernel for the whole batch
+    (validated arguments; cu_seqlens int32 on q's device; variants as in
+    scaled_dot_product_attention): q (total_q, H, D), k / v (total_k, Hkv, D[v]) -> (out
+    (total_q, H, Dv), lse (H, total_q), -inf where a row sees no key and has no sink)."""
+    out, lse, _ = _fwd_op(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), None,
+                          float(dropout_p), bool(causal),
+                          None if softmax_scale is None else float(softmax_scale),
+                          bottom_right=True, lse_neg_inf=True, cu_seqlens_q=cu_seqlens_q,
+                          cu_seqlens_k=cu_seqlens_k, max_seqlen_q=int(max_seqlen_q),
+                          max_seqlen_k=int(max_seqlen_k), **variants)
+    return out[0].transpose(0, 1), lse[0]

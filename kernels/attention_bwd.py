@@ -8,6 +8,9 @@
       under softcap), dK += dS^T Q.
   dQ kernel, grid (cdiv(Lq, BLOCK_M), B * Hq): one q tile resident; loops over the kv tiles;
       dQ += dS K.
+  Packed (varlen) calls: the same kernels over (1, H, total, D) tensors, axis 1 over
+      (sequence, head), each program's rows from cu_seqlens (common.sequence), as the forward.
+  DELTA has LSE's layout (the launcher's).
 Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale). The
 band, softcap, ALiBi and the mask as in the forward (common.py); the sinks' gradient,
 -sum_i exp(sink - lse_i) delta_i, is the launcher's (O(Lq) work).
@@ -15,14 +18,14 @@ band, softcap, ALiBi and the mask as in the forward (common.py); the sinks' grad
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, kv_bounds, load_block, masked_scores, q_bounds,
-                     scaled_scores, tile_desc)
+from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, masked_scores,
+                     q_bounds, scaled_scores, sequence, tile_desc)
 
 
 @triton.jit
-def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in, cap_out,
+def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out,
              mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed,
-             rng_offset, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
+             rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
              HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N].
@@ -36,7 +39,7 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap
     p = tl.math.exp2(s - lse2[:, None])  # masked -> 0
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
-        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        keep = dropout_keep(seed, rng_offset, rng_row0, offs_m, offs_n, rng_cols, dropout_p)
         pd = tl.where(keep, p / (1.0 - dropout_p), 0.0)
         dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
     else:
@@ -46,9 +49,9 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap
 
 
 @triton.jit
-def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DELTA,
-               stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in, cap_out, mask_base,
-               stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_base, stride_lm,
+               Lq, Lk, qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
+               diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, rng_cols,
                HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
                HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -56,12 +59,11 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DE
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
-    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm,
-                   mask=offs_m < Lq, other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-    pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in,
+    lse2 = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0) * LOG2E
+    delta = tl.load(delta_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
+    pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                       cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                      dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                      dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
                       HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
@@ -70,7 +72,7 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE, DE
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_, Alibi,
+    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -83,7 +85,7 @@ def attn_bwd_dkdv_kernel(
     qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -92,56 +94,65 @@ def attn_bwd_dkdv_kernel(
     hk = bhk % Hkv
     group = Hq // Hkv
     start_n = pid_n * BLOCK_N
+    bt, q0, k0, lq, lk, diag_lo, diag_hi, diag = sequence(CuQ, CuK, b, Lq, Lk, diag_lo, diag_hi,
+                                                          diag, VARLEN)
+    if start_n >= lk:  # a packed call's surplus tiles (the grid covers the longest sequence)
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
+    k_desc = tile_desc(K + bt * stride_kb + hk * stride_kh + k0 * stride_kn, lk, D, stride_kn,
+                       BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + bt * stride_vb + hk * stride_vh + k0 * stride_vn, lk, DV, stride_vn,
+                       BLOCK_N, BLOCK_DV)
     k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
     # the q tiles at the band's edges ([a, b) and [c, hi)) are checked, the interior ones not
-    a, b_, c, hi = q_bounds(start_n, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
+    a, b_, c, hi = q_bounds(start_n, lq, lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
     for g in range(0, group):
         h = hk * group + g
-        bh = b * Hq + h
-        q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
-        do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
-                            BLOCK_DV)
-        mask_base = Mask + b * stride_mb + h * stride_mh
+        q_desc = tile_desc(Q + bt * stride_qb + h * stride_qh + q0 * stride_qm, lq, D, stride_qm,
+                           BLOCK_M, BLOCK_D)
+        do_desc = tile_desc(DO + bt * stride_dob + h * stride_doh + q0 * stride_dom, lq, DV,
+                            stride_dom, BLOCK_M, BLOCK_DV)
+        mask_base = Mask + bt * stride_mb + h * stride_mh
+        row = bt * stride_lb + h * stride_lh + q0 * stride_lm  # LSE and DELTA share the layout
+        rng_row0 = dropout_row0(bt, h, Hq, Lq, q0)
         slope2 = 0.0
         if HAS_ALIBI:
             slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
         n_lo = tl.cdiv(b_ - a, BLOCK_M)  # the edge tiles: [a, b_) then [c, hi)
         for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_M)):
             start_m = tl.where(t < n_lo, a + t * BLOCK_M, c + (t - n_lo) * BLOCK_M)
-            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
-                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
-                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
-                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
+                                DELTA + row, stride_lm, lq, lk, qk_scale, cap_in, cap_out,
+                                mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+                                dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL,
                                 HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
                                 True, BLOCK_M)
         for start_m in range(b_, c, BLOCK_M):
-            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, b, h, bh, LSE,
-                                DELTA, stride_lb, stride_lh, stride_lm, Lq, Lk, qk_scale, cap_in,
-                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
-                                slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
+            dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
+                                DELTA + row, stride_lm, lq, lk, qk_scale, cap_in, cap_out,
+                                mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+                                dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL,
                                 HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
                                 False, BLOCK_M)
 
-    n_ok = offs_n[:, None] < Lk
-    tl.store(DK + b * stride_dkb + hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
+    n_ok = offs_n[:, None] < lk
+    rows_k = k0 + offs_n[:, None]
+    tl.store(DK + bt * stride_dkb + hk * stride_dkh + rows_k * stride_dkn + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok & (offs_d[None, :] < D))
-    tl.store(DV_ + b * stride_dvb + hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+    tl.store(DV_ + bt * stride_dvb + hk * stride_dvh + rows_k * stride_dvn + offs_dv[None, :],
              dv.to(DV_.dtype.element_ty), mask=n_ok & (offs_dv[None, :] < DV))
 
 
 @triton.jit
-def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk, qk_scale,
+def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk_scale,
              cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-             dropout_p, seed, rng_offset,
+             dropout_p, seed, rng_offset, rng_row0, rng_cols,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
              HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -149,16 +160,16 @@ def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk
     offs_n = start_n + tl.arange(0, BLOCK_N)
     k = load_block(k_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_D]
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
-    _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, bh, Lq, Lk, qk_scale, cap_in,
+    _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                      cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                     dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                     dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
                      HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DQ, Alibi,
+    Q, K, V, Mask, DO, LSE, DELTA, DQ, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -170,7 +181,7 @@ def attn_bwd_dq_kernel(
     qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -179,41 +190,49 @@ def attn_bwd_dq_kernel(
     h = bh % Hq
     hk = h // (Hq // Hkv)
     start_m = pid_m * BLOCK_M
+    bt, q0, k0, lq, lk, diag_lo, diag_hi, diag = sequence(CuQ, CuK, b, Lq, Lk, diag_lo, diag_hi,
+                                                          diag, VARLEN)
+    if start_m >= lq:  # a packed call's surplus tiles, as in the forward
+        return
+    rng_row0 = dropout_row0(bt, h, Hq, Lq, q0)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
-    do_desc = tile_desc(DO + b * stride_dob + h * stride_doh, Lq, DV, stride_dom, BLOCK_M,
-                        BLOCK_DV)
+    q_desc = tile_desc(Q + bt * stride_qb + h * stride_qh + q0 * stride_qm, lq, D, stride_qm,
+                       BLOCK_M, BLOCK_D)
+    do_desc = tile_desc(DO + bt * stride_dob + h * stride_doh + q0 * stride_dom, lq, DV,
+                        stride_dom, BLOCK_M, BLOCK_DV)
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
-    lse2 = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, mask=offs_m < Lq,
-                   other=0.0) * LOG2E
-    delta = tl.load(DELTA + bh * Lq + offs_m, mask=offs_m < Lq, other=0.0)
-    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
-    mask_base = Mask + b * stride_mb + h * stride_mh
+    row = bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm  # LSE and DELTA alike
+    lse2 = tl.load(LSE + row, mask=offs_m < lq, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row, mask=offs_m < lq, other=0.0)
+    k_desc = tile_desc(K + bt * stride_kb + hk * stride_kh + k0 * stride_kn, lk, D, stride_kn,
+                       BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + bt * stride_vb + hk * stride_vh + k0 * stride_vn, lk, DV, stride_vn,
+                       BLOCK_N, BLOCK_DV)
+    mask_base = Mask + bt * stride_mb + h * stride_mh
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
-    a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M,
+    a, b_, c, hi = kv_bounds(start_m, lq, lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M,
                              BLOCK_N)  # as the forward
     n_lo = tl.cdiv(b_ - a, BLOCK_N)  # the edge tiles: [a, b_) then [c, hi)
     for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_N)):
         start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
-        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
+        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
-                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True,
-                      BLOCK_N)
+                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK,
+                      MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
+                      True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
-        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, bh, Lq, Lk,
+        dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, HAS_MASK, MASK_BOOL,
-                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False,
-                      BLOCK_N)
+                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK,
+                      MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
+                      False, BLOCK_N)
 
-    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < D))
+    tl.store(DQ + bt * stride_dqb + h * stride_dqh + (q0 + offs_m[:, None]) * stride_dqm
+             + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < lq) & (offs_d[None, :] < D))

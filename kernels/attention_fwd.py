@@ -1,10 +1,13 @@
 """Flash-attention forward (FA2) in Triton.
 
-Grid: (cdiv(Lq, BLOCK_M), B * Hq), the tile index on axis 0. One Q tile stays resident; the kv
-blocks stream through an online softmax in the log2 domain (running max m, running sum l, fp32
-accumulator, `acc = tl.dot(p, v, acc)`); the natural-log LSE is stored for the backward. The dot
-operands come through 2-D tensor descriptors (one per (batch, head) slice; out-of-range rows and
-columns read as 0, so ragged lengths need no padding). Each row sees a band of keys (common.py:
+Grid: (cdiv(Lq, BLOCK_M), B * Hq), the tile index on axis 0; a packed (varlen) call's grid is
+(cdiv(max_seqlen_q, BLOCK_M), num_sequences * Hq), each program finding its sequence's rows in
+cu_seqlens (common.sequence), no padding. One Q tile stays resident; the kv blocks stream
+through an online softmax in the log2 domain (running max m, running sum l, fp32 accumulator,
+`acc = tl.dot(p, v, acc)`); the natural-log LSE is stored for the backward. The dot operands
+come through 2-D tensor descriptors (one per (sequence, head) slice; out-of-range rows and
+columns read as 0, so ragged lengths need no padding and a sequence never reads its
+neighbour's rows). Each row sees a band of keys (common.py:
 causal, windows, either alignment): kv tiles outside a q tile's band are never visited. GQA maps
 query head h to kv head h // (Hq // Hkv). Masks are read through their (possibly zero) strides.
 The variants (softcap, ALiBi, sinks) follow ../shared/api-variants-serving.md: a sink starts
@@ -15,14 +18,14 @@ attend to give 0 (and LSE lse_empty).
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, kv_bounds, load_block, masked_scores, scaled_scores,
-                     tile_desc)
+from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, masked_scores,
+                     scaled_scores, sequence, tile_desc)
 
 
 @triton.jit
-def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_scale, cap_in,
+def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, Lq, Lk, qk_scale, cap_in,
               cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-              dropout_p, seed, rng_offset,
+              dropout_p, seed, rng_offset, rng_row0, rng_cols,
               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
               HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -42,7 +45,7 @@ def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if DROPOUT:
-        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        keep = dropout_keep(seed, rng_offset, rng_row0, offs_m, offs_n, rng_cols, dropout_p)
         p = tl.where(keep, p / (1.0 - dropout_p), 0.0)
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
@@ -51,7 +54,7 @@ def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk, qk_
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Mask, O, LSE, Alibi, Sinks,
+    Q, K, V, Mask, O, LSE, Alibi, Sinks, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -62,7 +65,7 @@ def attn_fwd_kernel(
     qk_scale, cap_in, cap_out, lse_empty, dropout_p, seed, rng_offset,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
-    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -71,13 +74,22 @@ def attn_fwd_kernel(
     h = bh % Hq
     hk = h // (Hq // Hkv)
     start_m = pid_m * BLOCK_M
+    # a packed call's grid covers its longest sequence: the shorter ones' surplus tiles stop here
+    bt, q0, k0, lq, lk, diag_lo, diag_hi, diag = sequence(CuQ, CuK, b, Lq, Lk, diag_lo, diag_hi,
+                                                          diag, VARLEN)
+    if start_m >= lq:
+        return
+    rng_row0 = dropout_row0(bt, h, Hq, Lq, q0)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
 
-    q_desc = tile_desc(Q + b * stride_qb + h * stride_qh, Lq, D, stride_qm, BLOCK_M, BLOCK_D)
-    k_desc = tile_desc(K + b * stride_kb + hk * stride_kh, Lk, D, stride_kn, BLOCK_N, BLOCK_D)
-    v_desc = tile_desc(V + b * stride_vb + hk * stride_vh, Lk, DV, stride_vn, BLOCK_N, BLOCK_DV)
-    mask_base = Mask + b * stride_mb + h * stride_mh
+    q_desc = tile_desc(Q + bt * stride_qb + h * stride_qh + q0 * stride_qm, lq, D, stride_qm,
+                       BLOCK_M, BLOCK_D)
+    k_desc = tile_desc(K + bt * stride_kb + hk * stride_kh + k0 * stride_kn, lk, D, stride_kn,
+                       BLOCK_N, BLOCK_D)
+    v_desc = tile_desc(V + bt * stride_vb + hk * stride_vh + k0 * stride_vn, lk, DV, stride_vn,
+                       BLOCK_N, BLOCK_DV)
+    mask_base = Mask + bt * stride_mb + h * stride_mh
     q = load_block(q_desc, start_m, UPCAST)
 
     slope2 = 0.0
@@ -92,19 +104,21 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
     # the band's edge tiles are checked ([a, b) and [c, hi)), the interior ones are not
-    a, b_, c, hi = kv_bounds(start_m, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
+    a, b_, c, hi = kv_bounds(start_m, lq, lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
     n_lo = tl.cdiv(b_ - a, BLOCK_N)  # the edge tiles: [a, b_) then [c, hi)
     for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_N)):
         start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
-        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
+        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+                                  rng_row0, Lk,
                                   HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
                                   DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
-        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, bh, Lq, Lk,
+        m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
+                                  rng_row0, Lk,
                                   HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
                                   DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
 
@@ -112,10 +126,12 @@ def attn_fwd_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, lse_empty,
                    (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :]
+    o_ptrs = (O + bt * stride_ob + h * stride_oh + q0 * stride_om + offs_m[:, None] * stride_om
+              + offs_dv[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty),
-             mask=(offs_m[:, None] < Lq) & (offs_dv[None, :] < DV))
-    tl.store(LSE + b * stride_lb + h * stride_lh + offs_m * stride_lm, lse, mask=offs_m < Lq)
+             mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < DV))
+    tl.store(LSE + bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm, lse,
+             mask=offs_m < lq)
 
 
 @triton.jit
@@ -128,6 +144,6 @@ def dropout_mask_kernel(Keep, Lq, Lk, dropout_p, seed, rng_offset,
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     for start_n in range(0, Lk, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed, rng_offset, bh, offs_m, offs_n, Lq, Lk, dropout_p)
+        keep = dropout_keep(seed, rng_offset, bh * Lq, offs_m, offs_n, Lk, dropout_p)
         ptrs = Keep + (bh * Lq + offs_m[:, None]).to(tl.int64) * Lk + offs_n[None, :]
         tl.store(ptrs, keep.to(tl.uint8), mask=(offs_m[:, None] < Lq) & (offs_n[None, :] < Lk))

@@ -30,6 +30,44 @@ def load_block(desc, row, UPCAST: tl.constexpr):
     return tile
 
 
+# ---- the program's sequence: a batch entry, or one sequence of a packed (varlen) call --------
+
+@triton.jit
+def sequence(CuQ, CuK, b, Lq, Lk, diag_lo, diag_hi, diag, VARLEN: tl.constexpr):
+    """(bt, q0, k0, lq, lk, diag_lo, diag_hi, diag) of batch entry / sequence b: its index into
+    the tensors' batch dim, its first query and key rows, its lengths and its band.
+
+    Batched calls: entry b, rows from 0, the call's Lq / Lk and band. Packed calls (VARLEN; the
+    tensors (1, H, total, D)): sequence b holds rows cu_q[b]:cu_q[b+1] and cu_k[b]:cu_k[b+1];
+    the launcher's band is relative to each sequence's bottom-right diagonal lk - lq, added
+    here."""
+    if VARLEN:
+        q0 = tl.load(CuQ + b).to(tl.int64)
+        k0 = tl.load(CuK + b).to(tl.int64)
+        lq = (tl.load(CuQ + b + 1) - q0).to(tl.int32)
+        lk = (tl.load(CuK + b + 1) - k0).to(tl.int32)
+        bt = 0
+        shift = lk - lq
+        diag_lo += shift
+        diag_hi += shift
+        diag += shift
+    else:
+        q0 = 0
+        k0 = 0
+        lq = Lq
+        lk = Lk
+        bt = b
+    return bt, q0, k0, lq, lk, diag_lo, diag_hi, diag
+
+
+@triton.jit
+def dropout_row0(bt, h, Hq, Lq, q0):
+    """dropout_keep's row0 of head h of a sequence: (bt * Hq + h) * Lq + q0. Packed calls pass Lq
+    = total_q and, as dropout_keep's Lk, max_seqlen_k: (row, key) -> index stays unique across
+    the sequences."""
+    return (bt * Hq + h).to(tl.int64) * Lq + q0
+
+
 # ---- visibility: which keys each query row sees (the CPU kernels' Visibility, csrc/cpu/) ----------
 # Row i sees the band of keys j with  i + diag_lo <= j  (HAS_LO: a window's left side) and
 # j <= i + diag_hi  (HAS_HI: causal, or a window's right side), diag_lo = diag - left and
@@ -163,7 +201,8 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, dia
 
 
 @triton.jit
-def dropout_keep(seed, offset, bh, offs_m, offs_n, Lq, Lk, dropout_p):
-    """Keep bits of a tile: element (bh, i, j) -> Philox(seed, offset + (bh*Lq + i)*Lk + j)."""
-    idx = (bh * Lq + offs_m[:, None]).to(tl.int64) * Lk + offs_n[None, :] + offset
+def dropout_keep(seed, offset, row0, offs_m, offs_n, Lk, dropout_p):
+    """Keep bits of a tile: element (row0 + i, key j) -> Philox(seed, offset + (row0 + i)*Lk + j),
+    row0 the tile's first row among the call's B * H * Lq (dropout_row0)."""
+    idx = (row0 + offs_m[:, None]).to(tl.int64) * Lk + offs_n[None, :] + offset
     return tl.rand(seed, idx) >= dropout_p

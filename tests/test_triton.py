@@ -36,12 +36,15 @@ def _gpu():
 GPU = _gpu()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py without a GPU
 DEVICE = "cpu" if INTERPRETER else GPU
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER, reason="the CPU stand-in for the XPU key runs the kernels in the interpreter")
 
 import flashsdpa  # noqa: E402
 from flashsdpa import _C, _gpu as gpu, _triton  # noqa: E402
 from flashsdpa._common import decide  # noqa: E402
 
 import test_variants as variant_tests  # noqa: E402  (its cases, reference and check)
+import test_varlen as varlen_tests  # noqa: E402  (its packed cases and per-sequence check)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flashsdpa.kernels import common as kernel_common  # noqa: E402
@@ -331,6 +334,107 @@ def test_band_tile_ranges_cover_the_band():
                 assert not (seen & ~visited).any(), (what, "a visible pair not visited")
 
 
+# ---- packed variable-length batches (flash_attn_varlen_func) ------------------------------------------
+# test_varlen's cases, per-sequence fp64 reference and check: the CPU and Triton kernels are held
+# to the same formulas. One launch per kernel covers every sequence (a grid over cu_seqlens).
+
+def _triton_varlen(q, k, v, cu_q, cu_k, kw, return_lse=True, dropout_p=0.0):
+    lens_q, lens_k = (c[1:] - c[:-1] for c in (cu_q, cu_k))
+    out, lse = _triton.flash_attn_varlen(
+        _dev(q), _dev(k), _dev(v), _dev(cu_q), _dev(cu_k), int(lens_q.max()),
+        int(lens_k.max()), dropout_p, None, kw.get("causal", False), **_variant_kwargs(kw))
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("name", list(varlen_tests.CASES))
+def test_varlen_equals_each_sequence(name, dtype, spy):
+    """Every sequence (empty ones, ones without keys, GQA, Dv != D, each variant) as the
+    reference computes it alone; one forward and one backward launch for the whole batch."""
+    q, k, v, cu_q, cu_k, kw = varlen_tests.make_packed(name, dtype)
+    varlen_tests.check_packed(q, k, v, cu_q, cu_k, kw, dtype, f"triton varlen {name}",
+                              run=_triton_varlen)
+    assert spy["forward"] == 1 and spy["backward"] == 1, spy
+
+
+def test_varlen_dropout_keep_mask_per_sequence():
+    """Dropout over a packed batch: sequence s's (row i, key j) draws the keep bit of packed row
+    cu_q[s] + i, key j (one stream over (H, total_q, max_seqlen_k) elements, so sequences never
+    share bits), the same in the backward; against the reference with those masks."""
+    q, k, v, cu_q, cu_k, kw = varlen_tests.make_packed("window-alibi-sinks", torch.float32)
+    p = 0.25
+    lens = (cu_q[1:] - cu_q[:-1]).tolist()
+    torch.manual_seed(7)
+    seed, offset = _triton.new_rng_state()
+    full = _triton.dropout_keep_mask(seed, offset, 1, q.shape[1], q.shape[0], max(lens), p,
+                                     DEVICE).cpu()
+    keeps = [full[:, :, int(cu_q[s]):int(cu_q[s + 1]), :n] for s, n in enumerate(lens)]
+    assert not torch.equal(keeps[0][..., :3, :3], keeps[1])
+
+    def run(*args, **kw):
+        torch.manual_seed(7)  # the launch draws the same (seed, offset)
+        return _triton_varlen(*args, dropout_p=p, **kw)
+
+    varlen_tests.check_packed(q, k, v, cu_q, cu_k, kw, torch.float32, "triton varlen dropout",
+                              run=run, keeps=keeps, p=p)
+
+
+@needs_interpreter
+def test_varlen_gpu_entry_point(routed_cpu_standin, monkeypatch, spy):
+    """flash_attn_varlen_func on xpu / cuda tensors (_gpu.flash_attn_varlen, the decision taken
+    as for them): one launch per kernel; the CPU op's checks, with errors naming the argument;
+    a call the Triton kernels decline (float64) is left to the per-sequence loop (None)."""
+    def as_on_gpu(*args, **kw):
+        d = decide(*args, **kw)
+        if d["backend"] == "cpu" and not d["reasons"]["triton"]:
+            d["backend"] = "triton"
+        return d
+
+    monkeypatch.setattr(gpu, "decide", as_on_gpu)
+    q, k, v, cu_q, cu_k, kw = varlen_tests.make_packed("all", torch.float32)
+
+    def run(q, k, v, cu_q, cu_k, kw, return_lse=True):
+        return gpu.flash_attn_varlen(q, k, v, cu_q, cu_k, 60, 90, 0.0, None, kw["causal"],
+                                     **_variant_kwargs(kw))
+
+    varlen_tests.check_packed(q, k, v, cu_q, cu_k, kw, torch.float32, "gpu varlen", run=run)
+    assert spy["forward"] == 1 and spy["backward"] == 1, spy
+    assert gpu.flash_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 60, 90, 0.0,
+                                 None, True) is None
+    bad = [((q, k, v, cu_q.long(), cu_k, 60, 90), "cu_seqlens_q must be a 1-D int32 tensor"),
+           ((q, k, v, cu_q, cu_k, 59, 90), r"max_seqlen_q \(59\) must be at least"),
+           ((q, k, v, cu_q, torch.tensor([0, 64, 60, 170, 179], dtype=torch.int32), 60, 90),
+            "cu_seqlens_k must be non-decreasing"),
+           ((q[None], k, v, cu_q, cu_k, 60, 90), "q must be 3-D"),
+           ((q, k, v[1:], cu_q, cu_k, 60, 90), "v must have as many rows as k"),
+           ((q, k[:, :1].expand(-1, 3, -1), v, cu_q, cu_k, 60, 90), r"key heads \(3\)")]
+    for args, message in bad:
+        with pytest.raises(ValueError, match=message):
+            gpu.flash_attn_varlen(*args, 0.0, None, True)
+    with pytest.raises(ValueError, match=r"alibi_slopes must have shape .* \(B, H\) = \(4, 4\)"):
+        gpu.flash_attn_varlen(q, k, v, cu_q, cu_k, 60, 90, 0.0, None, True,
+                              alibi_slopes=torch.rand(3, 4))
+    assert spy["forward"] == 1, spy
+
+
+def test_varlen_op_opcheck():
+    """The packed form of flashsdpa::triton_attn_fwd / _bwd (cu_seqlens arguments): opcheck's
+    schema, fake-kernel and autograd checks."""
+    q, k, v, cu_q, cu_k, kw = varlen_tests.make_packed("all", torch.float32)
+    q4, k4, v4 = (_dev(t).unsqueeze(0).transpose(1, 2).requires_grad_() for t in (q, k, v))
+    packing = dict(cu_seqlens_q=_dev(cu_q), cu_seqlens_k=_dev(cu_k), max_seqlen_q=60,
+                   max_seqlen_k=90)
+    var = dict(_variant_kwargs(kw), bottom_right=True, **packing)
+    var["sinks"].requires_grad_()
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q4, k4, v4, None, 0.0, True, None),
+                          dict(var, lse_neg_inf=True))
+    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q4, k4, v4, None, 0.0, True, None, **var)
+    args = (torch.randn_like(out), q4.detach(), k4.detach(), v4.detach(), out.detach(), lse, rng,
+            None, 0.0, True, None)
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
+                          dict(var, sinks=var["sinks"].detach()))
+
+
 # ---- dropout ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -445,9 +549,6 @@ def test_import_needs_no_triton():
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "False"
 
-
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETER, reason="the CPU stand-in for the XPU key runs the kernels in the interpreter")
 
 
 @pytest.fixture
@@ -661,7 +762,7 @@ def test_kernels_compile_for_nvidia_targets(arch):
     res = subprocess.run([sys.executable, script, str(arch)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 6, res.stdout  # 5 cases (triton_aot_check.CASES) + xpu
+    assert res.stdout.count("compiled") == 7, res.stdout  # 6 cases (triton_aot_check.CASES) + xpu
 
 
 # ---- the direct API's ops under torch.compile --------------------------------------------------------

@@ -19,7 +19,7 @@ from flashsdpa.kernels import attention_bwd, attention_fwd, configs  # noqa: E40
 
 PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
             "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "Keep": "u8", "Alibi": "fp32",
-            "Sinks": "fp32"}
+            "Sinks": "fp32", "CuQ": "i32", "CuK": "i32"}
 FLOATS = {"qk_scale", "sm_scale", "dropout_p", "cap_in", "cap_out", "lse_empty"}
 I64 = {"seed", "rng_offset"}
 
@@ -47,20 +47,24 @@ def compile_kernel(fn, dtype, mask_dtype, consts, opts, target):
     return triton.compile(src, target=target, options=opts)
 
 
-# (dtype, head dim, mask dtype, band (HAS_LO, HAS_HI), dropout, variants (softcap, ALiBi, sinks))
-CASES = [("fp16", 64, "fp16", (False, True), True, False),
-         ("bf16", 128, "u8", (False, False), False, False),
-         ("fp32", 64, "fp32", (False, True), False, False),
-         ("bf16", 128, "fp32", (True, True), False, True),
-         ("fp16", 64, "u8", (True, False), True, True)]
+# (dtype, head dim, mask dtype (None: no mask), band (HAS_LO, HAS_HI), dropout, variants
+# (softcap, ALiBi, sinks), packed (varlen: no mask))
+CASES = [("fp16", 64, "fp16", (False, True), True, False, False),
+         ("bf16", 128, "u8", (False, False), False, False, False),
+         ("fp32", 64, "fp32", (False, True), False, False, False),
+         ("bf16", 128, "fp32", (True, True), False, True, False),
+         ("fp16", 64, "u8", (True, False), True, True, False),
+         ("bf16", 128, None, (True, True), True, True, True)]
 
 
 def main(arch):
     target = GPUTarget("cuda", arch, 32)
-    for dtype, d, mask_dtype, (has_lo, has_hi), dropout, variants in CASES:
-        common = dict(HAS_MASK=True, MASK_BOOL=mask_dtype == "u8", HAS_LO=has_lo, HAS_HI=has_hi,
-                      SOFTCAP=variants, HAS_ALIBI=variants, DROPOUT=dropout, UPCAST=False,
-                      PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_D=d, BLOCK_DV=d)
+    for dtype, d, mask_dtype, (has_lo, has_hi), dropout, variants, packed in CASES:
+        common = dict(HAS_MASK=mask_dtype is not None, MASK_BOOL=mask_dtype == "u8",
+                      HAS_LO=has_lo, HAS_HI=has_hi, SOFTCAP=variants, HAS_ALIBI=variants,
+                      DROPOUT=dropout, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else
+                      "tf32", VARLEN=packed, BLOCK_D=d, BLOCK_DV=d)
+        mask_dtype = mask_dtype or dtype
         fwd_blocks, fwd_opts = configs.forward_config(d)
         (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(d)
         compile_kernel(attention_fwd.attn_fwd_kernel, dtype, mask_dtype,
@@ -69,13 +73,13 @@ def main(arch):
                        dict(common, **kv_blocks), kv_opts, target)
         compile_kernel(attention_bwd.attn_bwd_dq_kernel, dtype, mask_dtype,
                        dict(common, **q_blocks), q_opts, target)
-        print(f"sm_{arch} {dtype} D={d} band={(has_lo, has_hi)} variants={variants}: forward, "
-              "dK/dV, dQ compiled", flush=True)
+        print(f"sm_{arch} {dtype} D={d} band={(has_lo, has_hi)} variants={variants} "
+              f"packed={packed}: forward, dK/dV, dQ compiled", flush=True)
     # the xpu block shapes (BLOCK_M 128, 16 warps) through the same front end
     compile_kernel(attention_fwd.attn_fwd_kernel, "fp16", "fp16",
                    dict(HAS_MASK=False, MASK_BOOL=False, HAS_LO=False, HAS_HI=True,
                         SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, DROPOUT=False,
-                        UPCAST=False, PRECISION="tf32", BLOCK_D=128, BLOCK_DV=128,
+                        UPCAST=False, PRECISION="tf32", VARLEN=False, BLOCK_D=128, BLOCK_DV=128,
                         BLOCK_M=128, BLOCK_N=64), dict(num_warps=16, num_stages=2), target)
     print(f"sm_{arch} xpu-shaped forward compiled")
 

@@ -20,14 +20,16 @@ output is checked against flashsdpa's before timing. Results: bench/out/serving.
     python bench/bench_serving.py --cases decode --dtypes bf16
     python bench/bench_sdpa.py --mode serving      # the same, from the main bench
     python bench/bench_serving.py --device cuda --cases varlen --dtypes bf16   # a GPU
-With --device xpu|cuda (the varlen case only: there is no Triton decode kernel yet) the tensors
-live on that GPU: flashsdpa runs its Triton kernels once over the packed batch, the loop its
-Triton kernels per sequence, and torch (padded) PyTorch's own SDPA with the mask.
+With --device xpu|cuda the tensors live on that GPU: flashsdpa runs its Triton kernels (the
+split-KV kernel over the caches; the attention kernels once over the packed batch), the loop
+its Triton kernels per sequence, the torch providers PyTorch's own SDPA there; the read probe is
+a sum over a --peak-read-mib x 4 MiB buffer on the GPU.
 """
 import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +75,7 @@ def bottom_right_mask(lq, lk):
     return torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
 
 
-def kv_providers(c, dtype, g):
+def kv_providers(c, dtype, g, device="cpu"):
     """Decode / chunked prefill over a KV cache: {provider: call}, bytes of K + V read."""
     B, H, Hkv, D, lq = c["B"], c["H"], c["Hkv"], c["D"], c["lq"]
     seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
@@ -109,6 +111,11 @@ def kv_providers(c, dtype, g):
     k8, v8 = fp8["k"][0], fp8["v"][0]
     kp8, vp8 = fp8["k"][2], fp8["v"][2]
     scales = dict(k_scale=fp8["k"][1], v_scale=fp8["v"][1])
+    if device != "cpu":  # everything built on the CPU (the same values), then moved
+        q, kc, vc, kp, vp, table, seqlens, k8, v8, kp8, vp8 = (
+            t.to(device) for t in (q, kc, vc, kp, vp, table, seqlens, k8, v8, kp8, vp8))
+        scales = {n: t.to(device) for n, t in scales.items()}
+        fp8 = {n: (*x[:3], x[3].to(device)) for n, x in fp8.items()}
 
     calls = {
         "flashsdpa": lambda: flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
@@ -158,11 +165,28 @@ def varlen_providers(c, dtype, g, device="cpu"):
     return calls, {}, None
 
 
+def device_read_probe(device, read_mib):
+    """A GPU's read bandwidth (GB/s): the best of 5 sums over a read_mib buffer (x 4, so that it
+    is far beyond the GPU's caches), a reduction that reads each byte once."""
+    buf = torch.ones(read_mib * 2 ** 20, dtype=torch.float32, device=device)
+
+    def probe():
+        best = float("inf")
+        for _ in range(5):
+            synchronize(device)
+            t0 = time.perf_counter()
+            buf.sum()
+            synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 4 / best / 1e9
+    return probe
+
+
 def run_case(name, dtype, repeats, read_mib, device="cpu"):
     kind, what, c = CASES[name]
     g = torch.Generator().manual_seed(0)
     if kind == "decode":
-        calls, refs, kv_bytes = kv_providers(c, dtype, g)
+        calls, refs, kv_bytes = kv_providers(c, dtype, g, device)
     else:
         calls, refs, kv_bytes = varlen_providers(c, dtype, g, device)
     with torch.no_grad():
@@ -192,9 +216,10 @@ def run_case(name, dtype, repeats, read_mib, device="cpu"):
         # read as fast: a state those calls leave the machine in, not the kernels' speed.)
         own = [p for p in calls if p.startswith("flashsdpa")]
         probes = []
+        probe = (lambda: peak.measure_read(torch.get_num_threads(), read_mib)) \
+            if device == "cpu" else device_read_probe(device, read_mib)
         alone = time_case({p: no_grad(calls[p]) for p in own}, repeats,
-                          between=lambda: probes.append(peak.measure_read(
-                              torch.get_num_threads(), read_mib)), between_after="flashsdpa")
+                          between=lambda: probes.append(probe()), between_after="flashsdpa")
         row["ms_alone"] = {p: statistics.median(alone[p]) * 1e3 for p in own}
         row["gbs"] = {p: kv_bytes[p] / (row["ms_alone"][p] * 1e-3) / 1e9 for p in own}
         row["read_probes_gbs"] = probes
@@ -244,13 +269,8 @@ def main(argv=None):
     add_run_args(ap, "serving.json", "rounds per case (default: decode 11, varlen 3)")
     args = ap.parse_args(argv)
     dtypes, cases = apply_run_args(ap, args, case=(args.cases, CASES))
-    if args.device != "cpu":
-        if not getattr(torch, args.device).is_available():
-            raise SystemExit(f"--device {args.device}: no such device available to PyTorch")
-        decode = [n for n in cases if CASES[n][0] == "decode"]
-        if decode:
-            ap.error(f"--device {args.device}: cases {', '.join(decode)} need the KV-cache path, "
-                     "which is CPU-only so far (--cases varlen)")
+    if args.device != "cpu" and not getattr(torch, args.device).is_available():
+        raise SystemExit(f"--device {args.device}: no such device available to PyTorch")
     if args.tiny:
         for name, (kind, what, c) in list(CASES.items()):
             c = dict(c)

@@ -42,8 +42,9 @@ timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode train --dtypes fp1
 # sliding window (1024, 0) against plain causal at L = 8192 (the tiles outside the band skipped)
 timeout 90 $PY bench/bench_variants.py --device "$DEVICE" --cases window --modes fwd,train \
   --dtypes bf16 --repeats 5 --out bench/results/gpu_variants.json
-# packed varlen prefill (one 4000-token and forty 50-token sequences): one Triton launch over
-# cu_seqlens against the per-sequence loop and PyTorch's SDPA on the padded batch
-timeout 60 $PY bench/bench_serving.py --device "$DEVICE" --cases varlen --dtypes bf16 \
-  --repeats 5 --out bench/results/gpu_varlen.json
+# serving: decode and chunked prefill over contiguous / paged / fp8 caches (the split-KV kernel,
+# % of the GPU's read bandwidth) and packed varlen prefill (one launch over cu_seqlens) against
+# PyTorch's SDPA (gathered / padded) and the per-sequence loop
+timeout 90 $PY bench/bench_serving.py --device "$DEVICE" --dtypes bf16 --repeats 5 \
+  --out bench/results/gpu_serving.json
 exit $test_rc

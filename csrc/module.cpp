@@ -312,6 +312,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return std::make_pair(a, b);
       },
       "the varlen ops' checks of cu_seqlens_q / _k: (cu_q, cu_k) as lists, or ValueError");
+  m.def("kvcache_seqlens", &flashsdpa::kvcache_seqlens, py::arg("q"), py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_seqlens"),
+        py::arg("block_table"), py::arg("k_scale"), py::arg("v_scale"),
+        "flash_attn_with_kvcache's checks (cache_seqlens, block_table, scales on the CPU): the "
+        "keys per sequence after the append, or ValueError");
 
   // Test and tuning hooks (flashsdpa/_testing.py wraps them): not part of the public surface.
   py::module_ t = m.def_submodule("testing", "test and tuning hooks (flashsdpa._testing)");

@@ -798,6 +798,19 @@ at::Tensor quantize_e4m3(const at::Tensor& t, const at::Tensor& scale) {
 
 }  // namespace
 
+std::vector<int64_t> kvcache_seqlens(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache,
+                                     const c10::optional<at::Tensor>& k_new,
+                                     const c10::optional<at::Tensor>& v_new,
+                                     const c10::optional<at::Tensor>& cache_seqlens,
+                                     const c10::optional<at::Tensor>& block_table,
+                                     const c10::optional<at::Tensor>& k_scale,
+                                     const c10::optional<at::Tensor>& v_scale) {
+  return check_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table, k_scale,
+                       v_scale)
+      .seqlen;
+}
+
 std::tuple<at::Tensor, at::Tensor> flash_attn_with_kvcache_cpu(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const c10::optional<at::Tensor>& k_new, const c10::optional<at::Tensor>& v_new,

@@ -110,6 +110,19 @@ void check_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_
                    int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                    std::vector<int32_t>* cu_q, std::vector<int32_t>* cu_k);
 
+// flash_attn_with_kvcache's checks of a call (shapes, dtypes, cache_seqlens, block_table and
+// the scales, those three given as CPU tensors; the caches' data is never read), or a
+// ValueError naming the argument: the keys of each sequence after the append. The Triton path
+// (flashsdpa/_gpu.py) checks its calls with it.
+std::vector<int64_t> kvcache_seqlens(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache,
+                                     const c10::optional<at::Tensor>& k_new,
+                                     const c10::optional<at::Tensor>& v_new,
+                                     const c10::optional<at::Tensor>& cache_seqlens,
+                                     const c10::optional<at::Tensor>& block_table,
+                                     const c10::optional<at::Tensor>& k_scale,
+                                     const c10::optional<at::Tensor>& v_scale);
+
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 
 // The kernel policy and first profiler event (driver.h, forward_event) of a forward call with

@@ -165,7 +165,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     decode (Lq = 1), speculative decoding and chunked prefill. Every variant. -> out
     (B, Lq, H, Dv) [, lse (B, H, Lq) float32]. No gradient. Short queries take the split-KV
     decode path (a paged cache's blocks copied through the block table as it goes). CPU tensors
-    in float32 / bfloat16 / float16.
+    in float32 / bfloat16 / float16; xpu / cuda tensors run the Triton split-KV kernel (any Lq;
+    cache_seqlens, block_table and the scales on either device).
 
     float8_e4m3fn caches (k_cache and v_cache both): value = stored * k_scale (v_scale), each a
     float32 tensor of one element or one per kv head (Hkv,), or a float (None: 1.0). The decode
@@ -174,9 +175,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """
     k_scale, v_scale = (torch.tensor([float(s)], dtype=torch.float32)
                         if isinstance(s, (int, float)) else s for s in (k_scale, v_scale))
-    if q.device.type != "cpu" or q.dtype not in DTYPE_NAMES:
-        raise ValueError("flashsdpa.flash_attn_with_kvcache: q must be a CPU tensor in float32, "
-                         f"bfloat16 or float16, got {q.dtype} on {q.device}")
+    if (q.device.type != "cpu" and q.device.type not in GPU_DEVICE_TYPES) or \
+            q.dtype not in DTYPE_NAMES:
+        raise ValueError("flashsdpa.flash_attn_with_kvcache: q must be a CPU, xpu or cuda tensor "
+                         f"in float32, bfloat16 or float16, got {q.dtype} on {q.device}")
     left, right = _window(window_size)
     if isinstance(cache_seqlens, int):
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32)

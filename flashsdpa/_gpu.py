@@ -220,3 +220,114 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     cu_q, cu_k = (c.to(q.device).contiguous() for c in (cu_seqlens_q, cu_seqlens_k))
     return _triton.flash_attn_varlen(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                      softmax_scale, causal, **variants)
+
+
+# ---- flash_attn_with_kvcache on GPU tensors --------------------------------------------------------
+_KVCACHE = "flashsdpa.flash_attn_with_kvcache: "
+
+
+def _cpu(t):
+    return None if t is None else t.cpu()
+
+
+def _append(cache, new, start, block_table):
+    """new (B, n, Hkv, D) written in place at rows start[b] .. start[b] + n of each sequence's
+    cache (through its block table when paged); float8 caches take round-to-nearest(new / scale)
+    saturated to +-448 (the CPU op's rule; the caller passes them quantised), written as bytes."""
+    b, n = new.shape[:2]
+    pos = start.view(b, 1) + torch.arange(n, device=cache.device)
+    if block_table is None:
+        index = (torch.arange(b, device=cache.device).view(b, 1).expand(b, n), pos)
+    else:
+        page = cache.shape[1]
+        index = (block_table.long().gather(1, pos // page), pos % page)
+    as_bits = cache.dtype == torch.float8_e4m3fn  # index_put on the bytes: any backend has it
+    target = cache.view(torch.uint8) if as_bits else cache
+    target.index_put_(index, new.view(torch.uint8) if as_bits else new)
+
+
+def _quantized(t, scale):
+    return (t.float() / scale.view(-1, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+
+def _kvcache_gathered(q, k_cache, v_cache, block_table, seqlens, scales, softmax_scale, causal,
+                      variants):
+    """A call the Triton kernel declines (e.g. head dim > 256): each sequence's keys gathered
+    (dequantised) and flash_attn_func (its own fallback) over them."""
+    from ._api import flash_attn_func  # (the API module imports this one)
+    outs, lses = [], []
+    alibi = variants.get("alibi_slopes")
+    for b, n in enumerate(seqlens):
+        pos = torch.arange(n, device=q.device)
+        if block_table is None:
+            keys, vals = k_cache[b, :n], v_cache[b, :n]
+        else:
+            page = k_cache.shape[1]
+            blk = block_table[b].long()[pos // page]
+            keys, vals = k_cache[blk, pos % page], v_cache[blk, pos % page]
+        if scales is not None:
+            keys, vals = ((t.float() * s.view(-1, 1)).to(q.dtype)
+                          for t, s in zip((keys, vals), scales))
+        o, lse = flash_attn_func(
+            q[b:b + 1], keys[None], vals[None], 0.0, softmax_scale, causal,
+            (variants.get("window_left", -1), variants.get("window_right", -1)),
+            variants.get("softcap", 0.0),
+            alibi[b] if alibi is not None and alibi.dim() == 2 else alibi,
+            variants.get("sinks"), return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+                            block_table=None, *, softmax_scale=None, causal=False,
+                            window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+                            sinks=None, k_scale=None, v_scale=None):
+    """flashsdpa::flash_attn_with_kvcache for xpu / cuda tensors (registered on their dispatch
+    keys below): the CPU op's checks and semantics - cache_seqlens, block_table and the scales
+    may live on either device (read back once for the checks, so that a block out of range or a
+    length beyond the cache is an error naming it before anything is written) -, the append in
+    place (PyTorch index writes), then the split-KV Triton kernel."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                    ("alibi_slopes", alibi_slopes), ("sinks", sinks)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{_KVCACHE}{name} must be on q's device ({q.device}), got "
+                             f"{t.device}")
+    seqlens = _C.kvcache_seqlens(q, k_cache, v_cache, k, v, _cpu(cache_seqlens),
+                                 _cpu(block_table), _cpu(k_scale), _cpu(v_scale))
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{_KVCACHE}k_cache and v_cache must have unit stride in their last "
+                         "dim (written in place)")
+    variants = dict(window_left=window_left, window_right=window_right, softcap=softcap,
+                    alibi_slopes=alibi_slopes, sinks=sinks)
+    b, hkv = q.shape[0], k_cache.shape[2]
+    stand_in = [q.new_empty((b, hkv, 0, c.shape[3])) for c in (k_cache, v_cache)]
+    d = decide(q.transpose(1, 2), *stand_in, None, 0.0, causal, softmax_scale, True, "direct",
+               bottom_right=True, **variants)
+    if d["invalid"]:
+        raise ValueError(d["invalid"])
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    scales = None
+    if fp8:
+        scales = tuple(torch.ones(1) if s is None else s.reshape(-1) for s in (k_scale, v_scale))
+        scales = tuple(s.to(q.device, torch.float32).contiguous() for s in scales)
+    table = None if block_table is None else block_table.to(q.device).contiguous()
+    if k is not None and k.shape[1]:
+        start = torch.tensor([n - k.shape[1] for n in seqlens], device=q.device)
+        for cache, new, i in ((k_cache, k, 0), (v_cache, v, 1)):
+            _append(cache, _quantized(new, scales[i]) if fp8 else new, start, table)
+    if d["backend"] != "triton":
+        log_fallback(d["reasons"]["triton"][0] if d["reasons"]["triton"] else d["via"])
+        return _kvcache_gathered(q, k_cache, v_cache, table, seqlens, scales, softmax_scale,
+                                 causal, variants)
+    var = _triton.Variants(0, 0, causal, (window_left, window_right), True, softcap,
+                           alibi_slopes, sinks, q.device)
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=q.device)
+    return _triton.kvcache_forward(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache,
+                                   table, lens, max(seqlens, default=0), var, softmax_scale,
+                                   *(scales or (None, None)))
+
+
+_kvcache_lib = torch.library.Library("flashsdpa", "IMPL")
+for _key in ("CUDA", "XPU"):
+    _kvcache_lib.impl("flash_attn_with_kvcache", flash_attn_with_kvcache, _key)

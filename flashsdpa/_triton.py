@@ -48,11 +48,12 @@ _allocator_tls = threading.local()
 
 def _load_kernels(device):
     """Import Triton and the kernels on first use; give Triton a scratch allocator for device-side
-    tensor descriptors on a real GPU (once per thread)."""
+    tensor descriptors on a real GPU (once per thread). -> (forward, backward, configs); the
+    KV-cache kernel's module is attention_kvcache."""
     global _kernels
     if _kernels is None:
-        from .kernels import attention_bwd, attention_fwd, configs
-        _kernels = (attention_fwd, attention_bwd, configs)
+        from .kernels import attention_bwd, attention_fwd, attention_kvcache, configs
+        _kernels = (attention_fwd, attention_bwd, configs, attention_kvcache)
     if device.type != "cpu" and getattr(_allocator_tls, "device_type", None) != device.type:
         import triton
 
@@ -288,7 +289,7 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
         else:
             lse.fill_(lse_empty)
         return out, lse
-    fwd, _, configs = _load_kernels(query.device)
+    fwd, _, configs, _ = _load_kernels(query.device)
     q, k, v = (_for_descriptor(t) for t in (query, key, value))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     buf = _kernel_target(out)
@@ -328,7 +329,7 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
         -(torch.exp(var.sinks.view(1, hq, 1) - lse) * delta).sum((0, 2))
     if lq == 0 or lk == 0 or b * hq == 0:
         return dq.zero_(), dk.zero_(), dvv.zero_(), dsinks
-    _, bwd, configs = _load_kernels(query.device)
+    _, bwd, configs, _ = _load_kernels(query.device)
     q, k, v, do = (_for_descriptor(t) for t in (query, key, value, grad_out))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     dq_buf, dk_buf, dv_buf = _kernel_target(dq), _kernel_target(dk), _kernel_target(dvv)
@@ -353,7 +354,7 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
 
 def dropout_keep_mask(seed, offset, batch, heads, lq, lk, dropout_p, device="cpu"):
     """The bool keep-mask [B, H, Lq, Lk] the kernels apply for this (seed, offset) (tests only)."""
-    fwd, _, _ = _load_kernels(torch.device(device))
+    fwd = _load_kernels(torch.device(device))[0]
     keep = torch.empty((batch, heads, lq, lk), dtype=torch.uint8, device=device)
     fwd.dropout_mask_kernel[(triton_cdiv(lq, 32), batch * heads)](
         keep, lq, lk, float(dropout_p), int(seed), int(offset), BLOCK_M=32, BLOCK_N=32)
@@ -362,6 +363,85 @@ def dropout_keep_mask(seed, offset, batch, heads, lq, lk, dropout_p, device="cpu
 
 def triton_cdiv(a, b):
     return (a + b - 1) // b
+
+
+# ---- attention over a KV cache (flash_attn_with_kvcache) ----------------------------------------
+
+def _multiprocessors(device):
+    """The device's compute units (SMs, Xe cores), which the split-KV grid is sized to fill."""
+    props = getattr(torch, device.type).get_device_properties(device)
+    for name in ("multi_processor_count", "gpu_subslice_count", "max_compute_units"):
+        if getattr(props, name, 0):
+            return int(getattr(props, name))
+    return 64
+
+
+def _kv_splits(device, programs, max_lk, block_n):
+    """(chunk, splits): keys per split (whole BLOCK_N tiles) and the split count, so that the
+    grid holds ~4 programs per compute unit when the batch x kv heads x row tiles alone do not
+    (decode: a few programs per sequence otherwise). Under the interpreter two tiles a split, so
+    that small test shapes combine several."""
+    tiles = max(1, triton_cdiv(max_lk, block_n))
+    if device.type == "cpu":  # the interpreter
+        per = 2
+    else:
+        want = triton_cdiv(4 * _multiprocessors(device), max(1, programs))
+        per = triton_cdiv(tiles, max(1, min(want, tiles)))
+    return per * block_n, triton_cdiv(tiles, per)
+
+
+def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scale=None,
+                    k_scale=None, v_scale=None, splits=None):
+    """Attention of q (B, Lq, Hq, D) over a KV cache: contiguous (B, Lcache, Hkv, D[v]) or paged
+    (num_blocks, page, Hkv, D[v]) with block_table int32 (B, max_blocks); seqlens int32 (B,):
+    each sequence's keys, the first seqlens[b] of its cache, the queries the last Lq of them;
+    max_lk their maximum (a host int). var: Variants built for lq = lk (the band relative to
+    each sequence's bottom-right diagonal). float8_e4m3fn caches: k_scale / v_scale float32 (1,)
+    or (Hkv,). Everything on q's device, unit stride in the last dims. splits: the split-KV
+    count (None: _kv_splits; tests). -> (out (B, Lq, Hq, Dv) in q's dtype, lse (B, Hq, Lq) fp32,
+    -inf where a row sees no key and has no sink)."""
+    b, lq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    group = hq // hkv
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    _, _, configs, kv = _load_kernels(q.device)
+    blocks, opts = configs.kvcache_config(max(d, dv), group * lq)
+    m_tiles = triton_cdiv(group * lq, blocks["BLOCK_M"])
+    chunk, n_splits = _kv_splits(q.device, b * hkv * m_tiles, max_lk, blocks["BLOCK_N"])
+    if splits is not None:
+        n_splits = max(1, int(splits))
+        chunk = triton_cdiv(triton_cdiv(max(max_lk, 1), n_splits), blocks["BLOCK_N"]) * \
+            blocks["BLOCK_N"]
+    out_p = _poisoned(torch.empty((b, hq, lq, n_splits, dv), dtype=torch.float32,
+                                  device=q.device))
+    lse_p = _poisoned(torch.empty((b, hq, lq, n_splits), dtype=torch.float32, device=q.device))
+    if out_p.numel():
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        kc, vc = (c.view(torch.uint8) if fp8 else c for c in (k_cache, v_cache))
+        paged = block_table is not None
+        dummy = lse_p
+        kv.attn_kvcache_kernel[(n_splits, b * hkv, m_tiles)](
+            q, kc, vc, block_table if paged else seqlens, seqlens, out_p, lse_p,
+            var.alibi if var.alibi is not None else dummy,
+            k_scale if fp8 else dummy, v_scale if fp8 else dummy,
+            q.stride(0), q.stride(1), q.stride(2), *kc.stride()[:3], *vc.stride()[:3],
+            block_table.stride(0) if paged else 0, *out_p.stride()[:4], *lse_p.stride()[:3],
+            *var.alibi_strides(), hq, hkv, lq, d, dv, k_cache.shape[1] if paged else 1, chunk,
+            *var.scalars()[:2], float(scale) * LOG2E, *var.cap_scales(scale),
+            PAGED=paged, FP8=fp8, SCALE_PER_HEAD=int(fp8 and k_scale.numel() > 1),
+            HAS_LO=var.has_lo, HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap),
+            HAS_ALIBI=var.alibi is not None, UPCAST=_upcast(q.dtype),
+            PRECISION=_precision(q.dtype), BLOCK_D=_next_pow2(max(16, d)),
+            BLOCK_DV=_next_pow2(max(16, dv)), **blocks, **opts)
+    # the splits' combination, with the sinks as one more term of each row's softmax
+    lse = torch.logsumexp(lse_p, -1) if n_splits else lse_p.new_full((b, hq, lq), -math.inf)
+    if var.sinks is not None:
+        lse = torch.logaddexp(lse, var.sinks.view(1, hq, 1))
+    w = torch.where(torch.isneginf(lse_p), 0.0, torch.exp(lse_p - lse.unsqueeze(-1)))
+    out = torch.empty((b, lq, hq, dv), dtype=q.dtype, device=q.device)
+    out.copy_((w.unsqueeze(-1) * out_p).sum(-2).transpose(1, 2))
+    return out, lse
 
 
 # ---- ops + autograd (the direct API) --------------------------------------------------------------

@@ -6,7 +6,8 @@ raises on it); NVIDIA GPUs run the classic flash-attention shapes; the interpret
 (TRITON_INTERPRET=1, tests on CPU tensors) gets one small config (autotuning would need a GPU
 driver).
 
-FLASHSDPA_TRITON_FWD / FLASHSDPA_TRITON_BWD_KV / FLASHSDPA_TRITON_BWD_Q override a kernel's
+FLASHSDPA_TRITON_FWD / FLASHSDPA_TRITON_BWD_KV / FLASHSDPA_TRITON_BWD_Q /
+FLASHSDPA_TRITON_KVCACHE override a kernel's
 configuration for experiments and tuning sweeps, e.g. "BLOCK_M=256,BLOCK_N=32,num_warps=32".
 The kernels are correct for any power-of-two blocks (>= 16 on a GPU), with BLOCK_M and BLOCK_N
 independent (the dK/dV and dQ kernels share nothing).
@@ -105,3 +106,18 @@ def backward_config(head_dim):
             q = (dict(BLOCK_M=64 if small else 32, BLOCK_N=32), opts)
     return (_with_override("FLASHSDPA_TRITON_BWD_KV", *kv, backend),
             _with_override("FLASHSDPA_TRITON_BWD_Q", *q, backend))
+
+
+def kvcache_config(head_dim, rows):
+    """(blocks, launch options) of the KV-cache kernel for the larger of D and Dv; rows: the
+    query rows of one kv head (group * Lq), which BLOCK_M covers up to 64 (a dot needs >= 16)."""
+    backend = _backend()
+    if backend == "interpreter":
+        blocks, opts = dict(BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=16), {}
+    else:
+        bm = min(64, max(16, 1 << max(0, (rows - 1).bit_length())))
+        blocks = dict(BLOCK_M=bm, BLOCK_N=64 if head_dim <= 128 else 32)
+        opts = dict(num_warps=4, num_stages=2)
+        if backend == "xpu":
+            opts["grf_mode"] = "256"
+    return _with_override("FLASHSDPA_TRITON_KVCACHE", blocks, opts, backend)

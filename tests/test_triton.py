@@ -45,6 +45,7 @@ from flashsdpa._common import decide  # noqa: E402
 
 import test_variants as variant_tests  # noqa: E402  (its cases, reference and check)
 import test_varlen as varlen_tests  # noqa: E402  (its packed cases and per-sequence check)
+import test_kvcache as kvcache_tests  # noqa: E402  (its caches, reference and checks)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flashsdpa.kernels import common as kernel_common  # noqa: E402
@@ -380,17 +381,10 @@ def test_varlen_dropout_keep_mask_per_sequence():
 
 
 @needs_interpreter
-def test_varlen_gpu_entry_point(routed_cpu_standin, monkeypatch, spy):
+def test_varlen_gpu_entry_point(triton_decides, spy):
     """flash_attn_varlen_func on xpu / cuda tensors (_gpu.flash_attn_varlen, the decision taken
     as for them): one launch per kernel; the CPU op's checks, with errors naming the argument;
     a call the Triton kernels decline (float64) is left to the per-sequence loop (None)."""
-    def as_on_gpu(*args, **kw):
-        d = decide(*args, **kw)
-        if d["backend"] == "cpu" and not d["reasons"]["triton"]:
-            d["backend"] = "triton"
-        return d
-
-    monkeypatch.setattr(gpu, "decide", as_on_gpu)
     q, k, v, cu_q, cu_k, kw = varlen_tests.make_packed("all", torch.float32)
 
     def run(q, k, v, cu_q, cu_k, kw, return_lse=True):
@@ -433,6 +427,246 @@ def test_varlen_op_opcheck():
             None, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
                           dict(var, sinks=var["sinks"].detach()))
+
+
+# ---- attention over a KV cache (flash_attn_with_kvcache) ----------------------------------------------
+# test_kvcache's caches, reference and checks: a paged pool holds NaN in its spare blocks and
+# rows, which the kernel must never read.
+
+@pytest.fixture
+def kv_route(request):
+    """Under the interpreter, _gpu's decision taken as for GPU tensors (the CPU stand-in)."""
+    if INTERPRETER:
+        request.getfixturevalue("triton_decides")
+
+
+def _kv(q, kc, vc, kn, vn, kw, table=None, seqlens=None, **scales):
+    """flash_attn_with_kvcache on the Triton path -> (out, lse) on the CPU: the public function
+    on GPU tensors (the op's xpu / cuda kernel, _gpu.flash_attn_with_kvcache), or that kernel
+    itself on CPU tensors under the interpreter. The caches are written in place."""
+    seq = None if seqlens is None else _dev(torch.tensor(seqlens, dtype=torch.int32))
+    left, right = kw.get("window", (-1, -1))
+    args = (q, kc, vc, kn, vn, seq, _dev(table))
+    opts = dict(causal=kw.get("causal", False), softcap=kw.get("softcap", 0.0),
+                alibi_slopes=_dev(kw.get("alibi")), sinks=_dev(kw.get("sinks")), **scales)
+    if INTERPRETER:
+        out, lse = gpu.flash_attn_with_kvcache(*args, window_left=left, window_right=right,
+                                               **opts)
+    else:
+        out, lse = flashsdpa.flash_attn_with_kvcache(*args, window_size=(left, right),
+                                                     return_lse=True, **opts)
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [1, 4, 40])
+@pytest.mark.parametrize("block_size", [None, 16, 7], ids=["contiguous", "paged16", "paged7"])
+@pytest.mark.parametrize("variant", list(kvcache_tests.VARIANTS))
+def test_kvcache_against_reference(kv_route, spy, variant, block_size, lq, dtype):
+    """Decode, speculative and chunked-prefill query counts over a contiguous or paged cache
+    (blocks smaller than, equal to and not dividing the kernel's key tiles), lq new tokens
+    appended first, every variant: the fp64 reference over each sequence's keys."""
+    q, kc, vc, kn, vn, kw = kvcache_tests.make_cache(dtype, lq, lq, **kvcache_tests.VARIANTS[variant])
+    want, want_lse = kvcache_tests.expected(q, kc, vc, kn, vn, kw, torch.float64)
+    base, _ = kvcache_tests.expected(q, kc, vc, kn, vn, kw, dtype)
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = kvcache_tests.paged(kc, block_size), kvcache_tests.paged(vc, block_size)
+    q, kc, vc, kn, vn = (_dev(t) for t in (q, kc, vc, kn, vn))
+    out, lse = _kv(q, kc, vc, kn, vn, kw, table, kvcache_tests.SEQLENS)
+    kvcache_tests.assert_out_lse(out, lse, base, want, want_lse, dtype,
+                                 f"triton {variant} {block_size} lq={lq}")
+    assert spy["kvcache_forward"] == 1, spy
+
+
+def test_kvcache_splits_combine_to_one():
+    """The split-KV partials (each split's normalised output and lse, combined with the sinks)
+    give the single-split result, whatever the split count; the interpreter's default splits a
+    150-key cache several ways."""
+    q, kc, vc, _, _, kw = kvcache_tests.make_cache(torch.float32, 3, 0, causal=True, sinks=True,
+                                                   alibi="BH")
+    var = _triton.Variants(0, 0, True, (-1, -1), True, 0.0, _dev(kw["alibi"]), _dev(kw["sinks"]),
+                           DEVICE)
+    lens = _dev(torch.tensor(kvcache_tests.SEQLENS, dtype=torch.int32))
+    run = [_triton.kvcache_forward(_dev(q), _dev(kc), _dev(vc), None, lens, 101, var, splits=n)
+           for n in (1, 2, 7, 20)]
+    assert _triton._kv_splits(q.device, 2 * 3, 101, 16)[1] > 1 or not INTERPRETER
+    for out, lse in run[1:]:
+        torch.testing.assert_close(out.cpu(), run[0][0].cpu(), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(lse.cpu(), run[0][1].cpu(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_kvcache_append_writes_exactly_the_new_slots(kv_route, block_size):
+    """Bit for bit: the new tokens' rows written, every other byte (the pool's NaN spares
+    included) untouched."""
+    q, kc, vc, kn, vn, kw = kvcache_tests.make_cache(torch.bfloat16, 4, 6, causal=True)
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = kvcache_tests.paged(kc, block_size), kvcache_tests.paged(vc, block_size)
+    want_k, want_v = (kvcache_tests.appended(c, n, table, block_size)
+                      for c, n in ((kc, kn), (vc, vn)))
+    kc, vc = _dev(kc), _dev(vc)
+    _kv(_dev(q), kc, vc, _dev(kn), _dev(vn), kw, table, kvcache_tests.SEQLENS)
+    assert torch.equal(kc.cpu().view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(vc.cpu().view(torch.int16), want_v.view(torch.int16))
+
+
+def test_kvcache_rows_that_see_nothing(kv_route):
+    """A sequence with nothing cached and nothing appended: out 0, lse -inf (or the sink)."""
+    q, kc, vc, _, _, _ = kvcache_tests.make_cache(torch.float32, 2, 0)
+    out, lse = _kv(_dev(q), _dev(kc), _dev(vc), None, None, {}, seqlens=[3, 0, 9])
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    sinks = torch.tensor([0.5, 1.0, -1.0, 2.0])
+    out, lse = _kv(_dev(q), _dev(kc), _dev(vc), None, None, dict(sinks=sinks), seqlens=[3, 0, 9])
+    assert torch.equal(lse[1], sinks.view(4, 1).expand(4, 2))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+
+
+@pytest.mark.parametrize("name", ["seqlens beyond", "seqlens int64", "no seqlens", "k without v",
+                                  "cache batch", "cache dtype", "block out of range",
+                                  "table shape", "k shape"])
+def test_kvcache_bad_arguments_name_the_argument(kv_route, name):
+    """The CPU op's checks, before anything is written."""
+    (q, kc, vc, kn, vn, seq, *table), message = kvcache_tests._bad(name)
+    q, kc, vc, kn, vn = (_dev(t) for t in (q, kc, vc, kn, vn))
+    before = [kc.clone(), vc.clone()]
+    call = gpu.flash_attn_with_kvcache if INTERPRETER else flashsdpa.flash_attn_with_kvcache
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        call(q, kc, vc, kn, vn, _dev(seq), *(_dev(t) for t in table))
+    for a, b in zip((kc, vc), before):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@needs_interpreter
+def test_kvcache_declined_call_gathers_the_keys(kv_route, spy):
+    """A call the Triton kernel declines (head dim 300): each sequence's keys gathered through
+    the block table and flash_attn_func over them; the append done first, as always."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 2, 300, generator=g)
+    kc, vc = (torch.randn(2, 40, 1, 300, generator=g) for _ in range(2))
+    kn, vn = (torch.randn(2, 3, 1, 300, generator=g) for _ in range(2))
+    table = torch.randperm(10, generator=g).view(2, 5).to(torch.int32)
+    kp, vp = (torch.full((10, 8, 1, 300), float("nan")) for _ in range(2))
+    for pool, cache in ((kp, kc), (vp, vc)):
+        for i in range(10):
+            pool[table.view(-1)[i]] = cache[i // 5, (i % 5) * 8:(i % 5 + 1) * 8]
+    seqlens = [10, 25]
+    out, lse = gpu.flash_attn_with_kvcache(q, kp, vp, kn, vn, torch.tensor(seqlens,
+                                           dtype=torch.int32), table, causal=True)
+    assert spy["kvcache_forward"] == 0
+    for b, n in enumerate(seqlens):
+        keys, vals = torch.cat([kc[b, :n], kn[b]]), torch.cat([vc[b, :n], vn[b]])
+        ref, ref_lse = variant_tests.reference(q[b:b + 1].transpose(1, 2),
+                                               keys[None].transpose(1, 2),
+                                               vals[None].transpose(1, 2), causal=True,
+                                               bottom_right=True)
+        torch.testing.assert_close(out[b:b + 1].double(), ref.transpose(1, 2), atol=1e-5,
+                                   rtol=1e-5)
+        torch.testing.assert_close(lse[b:b + 1].double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@needs_interpreter
+def test_kvcache_op_route_and_compile(kv_route, spy):
+    """flashsdpa.flash_attn_with_kvcache reaches the Triton path through the op's xpu / cuda
+    kernel (registered at import; here the same function on the CPU key as their stand-in), in
+    eager mode and under torch.compile(fullgraph=True), which keeps the in-place append."""
+    op = "flashsdpa::flash_attn_with_kvcache"
+    for key in ("CUDA", "XPU"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    q, kc, vc, kn, vn, _ = kvcache_tests.make_cache(torch.float32, 1, 1)
+    seq = torch.tensor(kvcache_tests.SEQLENS, dtype=torch.int32)
+    ref_k, ref_v = kc.clone(), vc.clone()
+    ref = flashsdpa.flash_attn_with_kvcache(q, ref_k, ref_v, kn, vn, seq, causal=True)
+    lib = torch.library.Library("flashsdpa", "IMPL")
+    lib.impl("flash_attn_with_kvcache", gpu.flash_attn_with_kvcache, "CPU")
+    try:
+        torch._dynamo.reset()
+
+        def step(q, kc, vc, kn, vn, seq):
+            return flashsdpa.flash_attn_with_kvcache(q, kc, vc, kn, vn, seq, causal=True)
+
+        for fn in (step, torch.compile(step, backend="aot_eager", fullgraph=True)):
+            k2, v2 = kc.clone(), vc.clone()
+            out = fn(q, k2, v2, kn, vn, seq)
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+            assert torch.equal(k2, ref_k) and torch.equal(v2, ref_v)
+        assert spy["kvcache_forward"] == 2, spy
+    finally:
+        lib._destroy()
+        torch._dynamo.reset()
+    flashsdpa.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), kn, vn, seq)
+    assert spy["kvcache_forward"] == 2, spy  # the C++ kernel again on the CPU key
+
+
+# float8_e4m3fn caches
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("lq", [1, 40])
+@pytest.mark.parametrize("layout", ["contiguous-scalar", "paged16-per-head"])
+@pytest.mark.parametrize("variant", ["causal", "alibi-sinks"])
+def test_kvcache_e4m3_against_reference(kv_route, variant, layout, lq, dtype):
+    """float8 caches (values across each kv head's range, subnormals included) against the fp64
+    reference over the dequantised values, the new keys / values as the append quantises them."""
+    t = kvcache_tests
+    per_head = layout.endswith("per-head")
+    q, kc, vc, kn, vn, kw, (ks, vs) = t.make_e4m3_cache(dtype, lq, per_head, **t.VARIANTS[variant])
+    kn_q, vn_q = t.dequantize(t.quantize(kn, ks), ks), t.dequantize(t.quantize(vn, vs), vs)
+    kc_d, vc_d = t.dequantize(kc, ks), t.dequantize(vc, vs)
+    want, want_lse = t.expected(q, kc_d, vc_d, kn_q, vn_q, kw, torch.float64)
+    base, _ = t.expected(q, kc_d.to(dtype), vc_d.to(dtype), kn_q.to(dtype), vn_q.to(dtype), kw,
+                         dtype)
+    table = None
+    if layout.startswith("paged"):
+        (kc, table), (vc, _) = t.paged(kc, 16), t.paged(vc, 16)
+    out, lse = _kv(*(_dev(x) for x in (q, kc, vc, kn, vn)), kw, table, t.SEQLENS,
+                   k_scale=_dev(ks.reshape(-1)), v_scale=_dev(vs.reshape(-1)))
+    t.assert_out_lse(out, lse, base, want, want_lse, dtype, f"triton e4m3 {variant} {layout}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_kvcache_e4m3_widening_is_exact_for_every_byte(kv_route, dtype):
+    """One key whose value row holds all 256 bytes: the output is that row, widened as PyTorch
+    converts float8_e4m3fn (the two NaN bytes give NaN) and scaled; and K: each byte's value is
+    the lse of a single key (q = 1)."""
+    E4M3 = torch.float8_e4m3fn
+    v8 = torch.arange(256, dtype=torch.uint8).view(E4M3).view(1, 1, 1, 256)
+    k8 = torch.zeros(1, 1, 1, 16, dtype=E4M3)
+    q = torch.randn(1, 1, 1, 16).to(dtype)
+    for v_scale in (1.0, 0.37):
+        out, _ = _kv(_dev(q), _dev(k8), _dev(v8), None, None, {},
+                     k_scale=_dev(torch.tensor([2.0])), v_scale=_dev(torch.tensor([v_scale])))
+        want = (v8.float() * torch.tensor(v_scale)).to(dtype)
+        torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
+    k8 = torch.arange(128, dtype=torch.uint8).view(E4M3).view(128, 1, 1, 1)
+    q16 = torch.zeros(128, 1, 1, 16, dtype=dtype)
+    q16[..., 0] = 1
+    k16 = torch.zeros(128, 1, 1, 16, dtype=E4M3)
+    k16[..., 0] = k8[..., 0]
+    _, lse = _kv(_dev(q16), _dev(k16), _dev(torch.zeros(128, 1, 1, 4, dtype=E4M3)), None, None,
+                 {}, k_scale=_dev(torch.tensor([0.5])), v_scale=_dev(torch.tensor([1.0])))
+    want = (k8.float() * 0.5).view(128, 1, 1) / 4.0  # the default scale 1/sqrt(16)
+    finite = want.isfinite()
+    torch.testing.assert_close(lse[finite], want[finite], atol=1e-30, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [None, 5])
+def test_kvcache_e4m3_append_stores_the_quantised_values(kv_route, block_size):
+    """k / v appended to a float8 cache: exactly those slots, round-to-nearest(value / scale)
+    saturated to +-448, every other byte untouched."""
+    t = kvcache_tests
+    q, kc, vc, kn, vn, _, (ks, vs) = t.make_e4m3_cache(torch.bfloat16, 4, per_head=True)
+    kn = kn.clone()
+    kn[0, 0, 0, :3] = torch.tensor([1e6, -1e6, 0.0])
+    table = None
+    if block_size:
+        (kc, table), (vc, _) = t.paged(kc, block_size), t.paged(vc, block_size)
+    u8 = torch.uint8
+    want_k = t.appended(kc.view(u8), t.quantize(kn, ks).view(u8), table, block_size)
+    want_v = t.appended(vc.view(u8), t.quantize(vn, vs).view(u8), table, block_size)
+    kc, vc = _dev(kc), _dev(vc)
+    _kv(_dev(q), kc, vc, _dev(kn), _dev(vn), dict(causal=True), table, t.SEQLENS,
+        k_scale=_dev(ks), v_scale=_dev(vs))
+    assert torch.equal(kc.cpu().view(u8), want_k) and torch.equal(vc.cpu().view(u8), want_v)
 
 
 # ---- dropout ---------------------------------------------------------------------------------------
@@ -561,7 +795,7 @@ def cpu_standin():
 
 @pytest.fixture
 def spy(monkeypatch):
-    calls = {"forward": 0, "backward": 0}
+    calls = {"forward": 0, "backward": 0, "kvcache_forward": 0}
     for name in calls:
         real = getattr(_triton, name)
 
@@ -643,13 +877,10 @@ def routed_cpu_standin(cpu_standin):
     flashsdpa.disable()
 
 
-@needs_interpreter
-def test_gpu_entry_points_send_variants_to_triton(routed_cpu_standin, spy, monkeypatch):
-    """The direct API's GPU entry points (flashsdpa.scaled_dot_product_attention and
-    flash_attn_func on xpu / cuda tensors: _gpu.sdpa, _gpu.flash_attn) run the variants on the
-    Triton kernels, forward and gradients; a call they decline (float64) takes flashsdpa's math
-    on PyTorch ops instead. The CPU stands in for the Triton device: the decision is taken as it
-    is for xpu tensors, where no CPU kernel is in front of the Triton kernels."""
+@pytest.fixture
+def triton_decides(routed_cpu_standin, monkeypatch):
+    """The GPU entry points (_gpu) decide for the CPU stand-in as they do for xpu tensors, where
+    no CPU kernel is in front of the Triton kernels: the Triton backend wherever it may run."""
     def as_on_gpu(*args, **kw):
         d = decide(*args, **kw)
         if d["backend"] == "cpu" and not d["reasons"]["triton"]:
@@ -657,6 +888,15 @@ def test_gpu_entry_points_send_variants_to_triton(routed_cpu_standin, spy, monke
         return d
 
     monkeypatch.setattr(gpu, "decide", as_on_gpu)
+
+
+@needs_interpreter
+def test_gpu_entry_points_send_variants_to_triton(triton_decides, spy):
+    """The direct API's GPU entry points (flashsdpa.scaled_dot_product_attention and
+    flash_attn_func on xpu / cuda tensors: _gpu.sdpa, _gpu.flash_attn) run the variants on the
+    Triton kernels, forward and gradients; a call they decline (float64) takes flashsdpa's math
+    on PyTorch ops instead. The CPU stands in for the Triton device: the decision is taken as it
+    is for xpu tensors, where no CPU kernel is in front of the Triton kernels."""
     q, k, v, kw = variant_tests.make_case("all", torch.float32)
 
     def run_sdpa(q, k, v, kw):
@@ -762,7 +1002,8 @@ def test_kernels_compile_for_nvidia_targets(arch):
     res = subprocess.run([sys.executable, script, str(arch)], capture_output=True, text=True,
                          timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 7, res.stdout  # 6 cases (triton_aot_check.CASES) + xpu
+    # 6 cases (triton_aot_check.CASES), the xpu-shaped forward, the KV-cache kernel's cases
+    assert res.stdout.count("compiled") == 8, res.stdout
 
 
 # ---- the direct API's ops under torch.compile --------------------------------------------------------

@@ -15,11 +15,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashsdpa.kernels import attention_bwd, attention_fwd, configs  # noqa: E402
+from flashsdpa.kernels import attention_bwd, attention_fwd, attention_kvcache, configs  # noqa: E402
 
 PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
             "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "Keep": "u8", "Alibi": "fp32",
-            "Sinks": "fp32", "CuQ": "i32", "CuK": "i32"}
+            "Sinks": "fp32", "CuQ": "i32", "CuK": "i32", "Kc": "M", "Vc": "M",
+            "BlockTable": "i32", "SeqLens": "i32", "Out": "fp32", "Lse": "fp32",
+            "KScale": "fp32", "VScale": "fp32"}
 FLOATS = {"qk_scale", "sm_scale", "dropout_p", "cap_in", "cap_out", "lse_empty"}
 I64 = {"seed", "rng_offset"}
 
@@ -57,6 +59,10 @@ CASES = [("fp16", 64, "fp16", (False, True), True, False, False),
          ("bf16", 128, None, (True, True), True, True, True)]
 
 
+KVCACHE_CASES = [("bf16", 128, True, False, 4), ("fp16", 64, False, True, 256),
+                 ("fp32", 256, True, True, 1), ("bf16", 128, True, True, 8)]
+
+
 def main(arch):
     target = GPUTarget("cuda", arch, 32)
     for dtype, d, mask_dtype, (has_lo, has_hi), dropout, variants, packed in CASES:
@@ -82,6 +88,16 @@ def main(arch):
                         UPCAST=False, PRECISION="tf32", VARLEN=False, BLOCK_D=128, BLOCK_DV=128,
                         BLOCK_M=128, BLOCK_N=64), dict(num_warps=16, num_stages=2), target)
     print(f"sm_{arch} xpu-shaped forward compiled")
+    # the KV-cache kernel: (q dtype, head dim, paged, float8 cache, query rows of a kv head)
+    for dtype, d, paged, fp8, rows in KVCACHE_CASES:
+        blocks, opts = configs.kvcache_config(d, rows)
+        consts = dict(PAGED=paged, FP8=fp8, SCALE_PER_HEAD=int(fp8), HAS_LO=fp8, HAS_HI=True,
+                      SOFTCAP=fp8, HAS_ALIBI=fp8, UPCAST=False,
+                      PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_D=d, BLOCK_DV=d,
+                      **blocks)
+        compile_kernel(attention_kvcache.attn_kvcache_kernel, dtype, "u8" if fp8 else dtype,
+                       consts, opts, target)
+    print(f"sm_{arch} KV-cache kernel ({len(KVCACHE_CASES)} configurations) compiled")
 
 
 if __name__ == "__main__":

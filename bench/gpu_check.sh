@@ -34,7 +34,8 @@ XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 timeout 300 $PY -m pytest -q --maxfail=5 -p no:cacheprovider $XDIST tests/test_triton.py || test_rc=$?
 
 echo; echo "== bench on $DEVICE (Triton kernels vs PyTorch's SDPA)"
-SHAPES=4x16x1024x64,2x16x2048x128,1x32/8x4096x128,8x16x512x256
+# (1x16x8192x128: the shape of the TFLOP/s targets, bf16 D = 128, L = 8192)
+SHAPES=4x16x1024x64,2x16x2048x128,1x32/8x4096x128,8x16x512x256,1x16x8192x128
 timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode fwd --dtypes fp16,bf16 \
   --shapes "$SHAPES" --repeats 5 --tag gpu_fwd --out-dir bench/results
 timeout 180 $PY bench/bench_sdpa.py --device "$DEVICE" --mode train --dtypes fp16,bf16 \
@@ -47,4 +48,8 @@ timeout 90 $PY bench/bench_variants.py --device "$DEVICE" --cases window --modes
 # PyTorch's SDPA (gathered / padded) and the per-sequence loop
 timeout 90 $PY bench/bench_serving.py --device "$DEVICE" --dtypes bf16 --repeats 5 \
   --out bench/results/gpu_serving.json
+# the forward's launch configurations at L = 8192, D = 128 (bf16, causal): which one
+# kernels/configs.py should take on this GPU
+timeout 90 $PY bench/tune_triton.py --device "$DEVICE" --causal --shape 1x16x8192x128 \
+  --out bench/results/gpu_tune.json
 exit $test_rc

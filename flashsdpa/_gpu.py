@@ -253,10 +253,10 @@ def _quantized(t, scale):
 def _kvcache_gathered(q, k_cache, v_cache, block_table, seqlens, scales, softmax_scale, causal,
                       variants):
     """A call the Triton kernel declines (e.g. head dim > 256): each sequence's keys gathered
-    (dequantised) and flash_attn_func (its own fallback) over them."""
-    from ._api import flash_attn_func  # (the API module imports this one)
+    (dequantised) and flash_attn (flash_attn_func's GPU entry, with its own fallback) over
+    them."""
     outs, lses = [], []
-    alibi = variants.get("alibi_slopes")
+    alibi = variants["alibi_slopes"]
     for b, n in enumerate(seqlens):
         pos = torch.arange(n, device=q.device)
         if block_table is None:
@@ -268,12 +268,9 @@ def _kvcache_gathered(q, k_cache, v_cache, block_table, seqlens, scales, softmax
         if scales is not None:
             keys, vals = ((t.float() * s.view(-1, 1)).to(q.dtype)
                           for t, s in zip((keys, vals), scales))
-        o, lse = flash_attn_func(
-            q[b:b + 1], keys[None], vals[None], 0.0, softmax_scale, causal,
-            (variants.get("window_left", -1), variants.get("window_right", -1)),
-            variants.get("softcap", 0.0),
-            alibi[b] if alibi is not None and alibi.dim() == 2 else alibi,
-            variants.get("sinks"), return_lse=True)
+        o, lse = flash_attn(q[b:b + 1], keys[None], vals[None], 0.0, softmax_scale, causal,
+                            **dict(variants, alibi_slopes=alibi[b] if alibi is not None and
+                                   alibi.dim() == 2 else alibi))
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -158,6 +158,29 @@ def test_bench_triton_provider_under_interpreter(tmp_path, mode):
     assert all(r["speedup_vs_torch"] > 0 for r in rows if r["provider"] == "triton")
 
 
+def test_tune_triton_under_interpreter(tmp_path):
+    """bench/tune_triton.py's sweep (the launch configurations set per call through the
+    kernels' override variables) on CPU tensors through the Triton interpreter: the script, not
+    the speed; a malformed configuration is an error naming its variable."""
+    pytest.importorskip("triton")
+    out = tmp_path / "tune.json"
+    cmd = [sys.executable, os.path.join(BENCH, "tune_triton.py"), "--device", "cpu", "--shape",
+           "1x2x40x16", "--dtype", "fp32", "--repeats", "1", "--mode", "train", "--causal",
+           "--fwd", ";BLOCK_M=16,BLOCK_N=16", "--bwd", "BLOCK_M=16,BLOCK_N=32", "--out", str(out)]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert [r["config"] for r in data["rows"]] == [
+        "fwd[default] bwd[BLOCK_M=16,BLOCK_N=32]",
+        "fwd[BLOCK_M=16,BLOCK_N=16] bwd[BLOCK_M=16,BLOCK_N=32]"]
+    assert all(r["ms"] > 0 for r in data["rows"]) and data["best"] in res.stdout
+    res = subprocess.run(cmd[:-6] + ["--fwd", "BLOCK_M=24", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode != 0 and "FLASHSDPA_TRITON_FWD: BLOCK_M must be a power of two" in \
+        res.stderr
+
+
 def test_bench_gpu_device_needs_a_gpu(tmp_path):
     import torch
     if torch.cuda.is_available():

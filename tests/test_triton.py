@@ -335,7 +335,7 @@ def test_band_tile_ranges_cover_the_band():
                 assert not (seen & ~visited).any(), (what, "a visible pair not visited")
 
 
-# ---- packed variable-length batches (flash_attn_varlen_func) ------------------------------------------
+# ---- packed variable-length batches (flash_attn_varlen_func) ---------------------------------
 # test_varlen's cases, per-sequence fp64 reference and check: the CPU and Triton kernels are held
 # to the same formulas. One launch per kernel covers every sequence (a grid over cu_seqlens).
 
@@ -420,16 +420,22 @@ def test_varlen_op_opcheck():
                    max_seqlen_k=90)
     var = dict(_variant_kwargs(kw), bottom_right=True, **packing)
     var["sinks"].requires_grad_()
-    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q4, k4, v4, None, 0.0, True, None),
+    opcheck_triton_ops(q4, k4, v4, None, var)
+
+
+def opcheck_triton_ops(q, k, v, mask, var):
+    """opcheck of flashsdpa::triton_attn_fwd (causal, lse_neg_inf, the op keywords `var`, sinks
+    differentiable) and of triton_attn_bwd on its results."""
+    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None),
                           dict(var, lse_neg_inf=True))
-    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q4, k4, v4, None, 0.0, True, None, **var)
-    args = (torch.randn_like(out), q4.detach(), k4.detach(), v4.detach(), out.detach(), lse, rng,
-            None, 0.0, True, None)
+    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None, **var)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
+            mask, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
                           dict(var, sinks=var["sinks"].detach()))
 
 
-# ---- attention over a KV cache (flash_attn_with_kvcache) ----------------------------------------------
+# ---- attention over a KV cache (flash_attn_with_kvcache) -------------------------------------
 # test_kvcache's caches, reference and checks: a paged pool holds NaN in its spare blocks and
 # rows, which the kernel must never read.
 
@@ -466,12 +472,13 @@ def test_kvcache_against_reference(kv_route, spy, variant, block_size, lq, dtype
     """Decode, speculative and chunked-prefill query counts over a contiguous or paged cache
     (blocks smaller than, equal to and not dividing the kernel's key tiles), lq new tokens
     appended first, every variant: the fp64 reference over each sequence's keys."""
-    q, kc, vc, kn, vn, kw = kvcache_tests.make_cache(dtype, lq, lq, **kvcache_tests.VARIANTS[variant])
+    t = kvcache_tests
+    q, kc, vc, kn, vn, kw = t.make_cache(dtype, lq, lq, **t.VARIANTS[variant])
     want, want_lse = kvcache_tests.expected(q, kc, vc, kn, vn, kw, torch.float64)
     base, _ = kvcache_tests.expected(q, kc, vc, kn, vn, kw, dtype)
     table = None
     if block_size:
-        (kc, table), (vc, _) = kvcache_tests.paged(kc, block_size), kvcache_tests.paged(vc, block_size)
+        (kc, table), (vc, _) = (kvcache_tests.paged(c, block_size) for c in (kc, vc))
     q, kc, vc, kn, vn = (_dev(t) for t in (q, kc, vc, kn, vn))
     out, lse = _kv(q, kc, vc, kn, vn, kw, table, kvcache_tests.SEQLENS)
     kvcache_tests.assert_out_lse(out, lse, base, want, want_lse, dtype,
@@ -503,7 +510,7 @@ def test_kvcache_append_writes_exactly_the_new_slots(kv_route, block_size):
     q, kc, vc, kn, vn, kw = kvcache_tests.make_cache(torch.bfloat16, 4, 6, causal=True)
     table = None
     if block_size:
-        (kc, table), (vc, _) = kvcache_tests.paged(kc, block_size), kvcache_tests.paged(vc, block_size)
+        (kc, table), (vc, _) = (kvcache_tests.paged(c, block_size) for c in (kc, vc))
     want_k, want_v = (kvcache_tests.appended(c, n, table, block_size)
                       for c, n in ((kc, kn), (vc, vn)))
     kc, vc = _dev(kc), _dev(vc)
@@ -1018,16 +1025,9 @@ def test_triton_ops_opcheck():
             mask, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args)
     # with every variant (the sinks differentiable)
-    sinks = _dev(torch.randn(4)).requires_grad_()
-    var = dict(window_left=5, window_right=2, bottom_right=True, softcap=2.0,
-               alibi_slopes=_dev(torch.rand(4)), sinks=sinks)
-    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None),
-                          dict(var, lse_neg_inf=True))
-    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None, **var)
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
-            mask, 0.0, True, None)
-    torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
-                          dict(var, sinks=sinks.detach()))
+    opcheck_triton_ops(q, k, v, mask, dict(window_left=5, window_right=2, bottom_right=True,
+                                           softcap=2.0, alibi_slopes=_dev(torch.rand(4)),
+                                           sinks=_dev(torch.randn(4)).requires_grad_()))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

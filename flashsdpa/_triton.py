@@ -435,13 +435,15 @@ def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scal
             PRECISION=_precision(q.dtype), BLOCK_D=_next_pow2(max(16, d)),
             BLOCK_DV=_next_pow2(max(16, dv)), **blocks, **opts)
     # the splits' combination, with the sinks as one more term of each row's softmax
-    lse = torch.logsumexp(lse_p, -1) if n_splits else lse_p.new_full((b, hq, lq), -math.inf)
-    if var.sinks is not None:
-        lse = torch.logaddexp(lse, var.sinks.view(1, hq, 1))
-    w = torch.where(torch.isneginf(lse_p), 0.0, torch.exp(lse_p - lse.unsqueeze(-1)))
-    out = torch.empty((b, lq, hq, dv), dtype=q.dtype, device=q.device)
-    out.copy_((w.unsqueeze(-1) * out_p).sum(-2).transpose(1, 2))
-    return out, lse
+    out = _poisoned(torch.empty((b, lq, hq, dv), dtype=_result_dtype(q.dtype), device=q.device))
+    lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=q.device))
+    if out.numel():  # (Dv >= 1: the callers' checks)
+        kv.attn_kvcache_combine_kernel[(b * hq * lq,)](
+            out_p, lse_p, var.sinks if var.sinks is not None else lse_p, out, lse,
+            out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+            hq, lq, n_splits, dv, HAS_SINKS=var.sinks is not None,
+            BLOCK_S=_next_pow2(n_splits), BLOCK_DV=_next_pow2(max(16, dv)))
+    return out.to(q.dtype), lse
 
 
 # ---- ops + autograd (the direct API) --------------------------------------------------------------

@@ -3,8 +3,8 @@
 Grid: (splits, B * Hkv, cdiv(group * Lq, BLOCK_M)). A program takes rows of one kv head's query
 group - its Hq / Hkv heads x Lq queries, head-major, so that decode's few rows share every K / V
 load - and one split of its sequence's keys (`chunk` keys, a multiple of BLOCK_N), and writes
-that split's normalised partial output and natural-log lse; the launcher combines the splits
-(and the sinks) - flash-decoding. Keys are read through the block table when PAGED (any block
+that split's normalised partial output and natural-log lse; attn_kvcache_combine_kernel then
+combines each row's splits and its sink - flash-decoding, two launches per call. Keys are read through the block table when PAGED (any block
 size: each key row's address from its own block), as float8_e4m3fn bytes widened in registers
 when FP8 (integer bit manipulation, no fp8 instruction needed: the same code on every backend)
 and scaled by one scalar or one value per kv head. The queries are the last Lq of the
@@ -60,7 +60,7 @@ def _load_cache(ptrs, ok, scale, FP8: tl.constexpr, UPCAST: tl.constexpr, DTYPE:
 
 @triton.jit
 def attn_kvcache_kernel(
-    Q, Kc, Vc, BlockTable, SeqLens, Out, Lse, Alibi, KScale, VScale,
+    Q, Kc, Vc, BlockTable, SeqLens, OutP, LseP, Alibi, KScale, VScale,
     stride_qb, stride_qm, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -147,6 +147,43 @@ def attn_kvcache_kernel(
     lse = tl.where(empty, float("-inf"),
                    (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     rows = b * stride_ob + h * stride_oh + i * stride_om + split * stride_os
-    tl.store(Out + rows[:, None] + offs_dv[None, :], out,
+    tl.store(OutP + rows[:, None] + offs_dv[None, :], out,
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(Lse + b * stride_lb + h * stride_lh + i * stride_lm + split, lse, mask=row_ok)
+    tl.store(LseP + b * stride_lb + h * stride_lh + i * stride_lm + split, lse, mask=row_ok)
+
+
+@triton.jit
+def attn_kvcache_combine_kernel(
+    OutP, LseP, Sinks, Out, Lse,
+    stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
+    Hq, Lq, S, DV,
+    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """The splits of one query row combined (one program per (b, h, i) row of the contiguous
+    (B, Hq, Lq, S[, DV]) partials): lse = log(sum_s e^lse_s (+ e^sink)), out = sum_s
+    e^(lse_s - lse) out_s, written in q's dtype at Out[b, i, h] and Lse[b, h, i]; a row with
+    nothing (no key, no sink) gets out 0, lse -inf. One launch instead of a chain of PyTorch
+    ops: decode's whole call is a few microseconds of reading."""
+    row = tl.program_id(0)
+    b = row // (Hq * Lq)
+    h = (row // Lq) % Hq
+    i = row % Lq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    lse_s = tl.load(LseP + row.to(tl.int64) * S + offs_s, mask=offs_s < S, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + h)
+        m = tl.maximum(m, sink)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse_s - m_safe)
+    total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
+    parts = tl.load(OutP + (row.to(tl.int64) * S + offs_s[:, None]) * DV + offs_dv[None, :],
+                    mask=(offs_s[:, None] < S) & (offs_dv[None, :] < DV), other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_dv,
+             out.to(Out.dtype.element_ty), mask=offs_dv < DV)
+    tl.store(Lse + b * stride_lb + h * stride_lh + i,
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))

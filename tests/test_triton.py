@@ -656,6 +656,25 @@ def test_kvcache_e4m3_widening_is_exact_for_every_byte(kv_route, dtype):
     torch.testing.assert_close(lse[finite], want[finite], atol=1e-30, rtol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # (the interpreter's numpy max)
+def test_kvcache_e4m3_nan_in_a_visible_key_gives_nan(kv_route):
+    """A NaN byte among a sequence's visible keys reaches that sequence's rows of its kv head
+    (through the split combination), as through the dequantised reference; keys beyond
+    cache_seqlens are never read."""
+    t = kvcache_tests
+    q, kc, vc, _, _, _ = t.make_cache(torch.float32, 1, 0)
+    kc8, vc8 = t.quantize(kc, torch.tensor(0.05)), t.quantize(vc, torch.tensor(0.05))
+    nan = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    kc8[0, 10, 1, 3] = nan  # visible for sequence 0 (37 keys)
+    kc8[2, 120, :, :] = nan  # beyond sequence 2's 101 keys
+    scale = _dev(torch.tensor([0.05]))
+    out, _ = _kv(_dev(q), _dev(kc8), _dev(vc8), None, None, {}, seqlens=t.SEQLENS,
+                 k_scale=scale, v_scale=scale)
+    group = t.HQ // t.HKV
+    assert out[0, :, group:].isnan().all() and not out[0, :, :group].isnan().any()
+    assert not out[2].isnan().any()
+
+
 @pytest.mark.parametrize("block_size", [None, 5])
 def test_kvcache_e4m3_append_stores_the_quantised_values(kv_route, block_size):
     """k / v appended to a float8 cache: exactly those slots, round-to-nearest(value / scale)

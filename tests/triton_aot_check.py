@@ -20,7 +20,8 @@ from flashsdpa.kernels import attention_bwd, attention_fwd, attention_kvcache, c
 PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
             "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "Keep": "u8", "Alibi": "fp32",
             "Sinks": "fp32", "CuQ": "i32", "CuK": "i32", "Kc": "M", "Vc": "M",
-            "BlockTable": "i32", "SeqLens": "i32", "Out": "fp32", "Lse": "fp32",
+            "BlockTable": "i32", "SeqLens": "i32", "OutP": "fp32", "LseP": "fp32", "Out": "T",
+            "Lse": "fp32",
             "KScale": "fp32", "VScale": "fp32"}
 FLOATS = {"qk_scale", "sm_scale", "dropout_p", "cap_in", "cap_out", "lse_empty"}
 I64 = {"seed", "rng_offset"}
@@ -97,7 +98,9 @@ def main(arch):
                       **blocks)
         compile_kernel(attention_kvcache.attn_kvcache_kernel, dtype, "u8" if fp8 else dtype,
                        consts, opts, target)
-    print(f"sm_{arch} KV-cache kernel ({len(KVCACHE_CASES)} configurations) compiled")
+        compile_kernel(attention_kvcache.attn_kvcache_combine_kernel, dtype, dtype,
+                       dict(HAS_SINKS=fp8, BLOCK_S=64, BLOCK_DV=d), dict(num_warps=4), target)
+    print(f"sm_{arch} KV-cache kernels ({len(KVCACHE_CASES)} configurations) compiled")
 
 
 if __name__ == "__main__":

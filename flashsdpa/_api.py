@@ -276,9 +276,13 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     lines = ["flashsdpa.explain: " + _describe_call(*args, variants)]
     if _nested.is_jagged(query):  # F.sdpa's jagged hook decides, before the dispatcher
         if not variants and _nested.takes(query, key, value, attn_mask, is_causal, enable_gqa):
+            triton = query.device.type in _nested.TRITON_DEVICES
             lines += ["  F.scaled_dot_product_attention: flashsdpa's varlen kernel over the "
-                      "packed values (flashsdpa/_nested.py)",
-                      "  kernel: flashsdpa::flash_attn_varlen_fwd"]
+                      "packed values (flashsdpa/_nested.py)" + (
+                          ": the Triton kernels' packed launch, where they take the call "
+                          "(else PyTorch's jagged SDPA)" if triton else ""),
+                      "  kernel: " + ("flashsdpa::triton_attn_fwd" if triton
+                                      else "flashsdpa::flash_attn_varlen_fwd")]
         else:
             lines += ["  F.scaled_dot_product_attention: PyTorch's jagged-layout SDPA (flashsdpa "
                       "takes these calls only while enabled, without a mask, with flash allowed, "

@@ -411,6 +411,35 @@ def test_varlen_gpu_entry_point(triton_decides, spy):
     assert spy["forward"] == 1, spy
 
 
+@needs_interpreter
+def test_nested_sdpa_on_the_triton_kernels(triton_decides, spy, monkeypatch):
+    """Jagged tensors through F.scaled_dot_product_attention on an xpu device (the CPU standing
+    in: _nested.TRITON_DEVICES) take the Triton kernels' packed launch, forward and gradients,
+    against the per-sequence fp64 reference; explain() says so."""
+    import torch.nn.functional as F
+    import test_nested as nested_tests
+    from flashsdpa import _nested
+    monkeypatch.setattr(_nested, "TRITON_DEVICES", ("xpu", "cpu"))
+    q, qs = nested_tests.jagged(nested_tests.LENS_Q, 4, 16, torch.float32, 0, grad=True)
+    k, ks = nested_tests.jagged(nested_tests.LENS_Q, 2, 16, torch.float32, 1, grad=True, like=q)
+    v, vs = nested_tests.jagged(nested_tests.LENS_Q, 2, 24, torch.float32, 2, grad=True, like=q)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=True)
+    out = out.transpose(1, 2)
+    assert spy["forward"] == 1 and out.is_nested and torch.equal(out.offsets(), q.offsets())
+    want = nested_tests.per_sequence(qs, ks, vs, True, torch.float64)
+    torch.testing.assert_close(out.values().double(), want, atol=1e-5, rtol=1e-5)
+    out.values().square().sum().backward()
+    assert spy["backward"] == 1
+    leaves = [[t.double().requires_grad_() for t in ts] for ts in (qs, ks, vs)]
+    nested_tests.per_sequence(*leaves, True, torch.float64).square().sum().backward()
+    for nt, ts in zip((q, k, v), leaves):
+        torch.testing.assert_close(nt.grad.values().double(), torch.cat([t.grad for t in ts]),
+                                   atol=1e-5, rtol=1e-5)
+    assert "flashsdpa::triton_attn_fwd" in flashsdpa.explain(qt, kt, vt, is_causal=True,
+                                                             enable_gqa=True)
+
+
 def test_varlen_op_opcheck():
     """The packed form of flashsdpa::triton_attn_fwd / _bwd (cu_seqlens arguments): opcheck's
     schema, fake-kernel and autograd checks."""

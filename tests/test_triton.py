@@ -411,6 +411,24 @@ def test_varlen_gpu_entry_point(triton_decides, spy):
     assert spy["forward"] == 1, spy
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
+def test_varlen_reads_views_of_a_packed_qkv_buffer(dtype):
+    """q, k, v as views of one (total, 3, H, D) buffer (rows 3 H D apart) are read in place;
+    a NaN-filled spare head between them is never read."""
+    lens = [7, 30, 1, 0, 19]
+    cu = varlen_tests.cu(lens)
+    buf = torch.full((sum(lens), 4, 4, 16), float("nan"), dtype=dtype)
+    buf[:, :3] = torch.randn(sum(lens), 3, 4, 16, generator=torch.Generator().manual_seed(9))
+    q, k, v = buf[:, 0], buf[:, 1], buf[:, 2]
+    assert q.stride(0) == 4 * 4 * 16 and not q.is_contiguous()
+    out, lse = _triton_varlen(q, k, v, cu, cu, dict(causal=True))
+    want, want_lse = varlen_tests.per_sequence_reference(q, k, v, cu, cu, dict(causal=True))
+    base, _ = varlen_tests.per_sequence_reference(q, k, v, cu, cu, dict(causal=True), dtype)
+    assert_within_rule(out, base, want, dtype, "packed qkv views")
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2 if dtype != torch.float32
+                               else 1e-5, rtol=1e-3)
+
+
 @needs_interpreter
 def test_nested_sdpa_on_the_triton_kernels(triton_decides, spy, monkeypatch):
     """Jagged tensors through F.scaled_dot_product_attention on an xpu device (the CPU standing

@@ -376,6 +376,9 @@ def _multiprocessors(device):
     return 64
 
 
+MAX_SPLITS = 64
+
+
 def _kv_splits(device, programs, max_lk, block_n):
     """(chunk, splits): keys per split (whole BLOCK_N tiles) and the split count, so that the
     grid holds ~4 programs per compute unit when the batch x kv heads x row tiles alone do not
@@ -387,6 +390,8 @@ def _kv_splits(device, programs, max_lk, block_n):
     else:
         want = triton_cdiv(4 * _multiprocessors(device), max(1, programs))
         per = triton_cdiv(tiles, max(1, min(want, tiles)))
+    # at most MAX_SPLITS: the combine kernel holds a row's splits x Dv in registers
+    per = max(per, triton_cdiv(tiles, MAX_SPLITS))
     return per * block_n, triton_cdiv(tiles, per)
 
 
@@ -410,7 +415,7 @@ def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scal
     m_tiles = triton_cdiv(group * lq, blocks["BLOCK_M"])
     chunk, n_splits = _kv_splits(q.device, b * hkv * m_tiles, max_lk, blocks["BLOCK_N"])
     if splits is not None:
-        n_splits = max(1, int(splits))
+        n_splits = max(1, min(MAX_SPLITS, int(splits)))
         chunk = triton_cdiv(triton_cdiv(max(max_lk, 1), n_splits), blocks["BLOCK_N"]) * \
             blocks["BLOCK_N"]
     out_p = _poisoned(torch.empty((b, hq, lq, n_splits, dv), dtype=torch.float32,

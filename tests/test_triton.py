@@ -545,6 +545,9 @@ def test_kvcache_splits_combine_to_one():
     run = [_triton.kvcache_forward(_dev(q), _dev(kc), _dev(vc), None, lens, 101, var, splits=n)
            for n in (1, 2, 7, 20)]
     assert _triton._kv_splits(q.device, 2 * 3, 101, 16)[1] > 1 or not INTERPRETER
+    # however long the cache, at most MAX_SPLITS (the combine kernel's register tile)
+    chunk, n = _triton._kv_splits(q.device, 1, 10 ** 7, 16)
+    assert n <= _triton.MAX_SPLITS and n * chunk >= 10 ** 7
     for out, lse in run[1:]:
         torch.testing.assert_close(out.cpu(), run[0][0].cpu(), atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(lse.cpu(), run[0][1].cpu(), atol=1e-6, rtol=1e-5)

@@ -25,8 +25,9 @@ from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, m
 @triton.jit
 def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out,
              mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed,
-             rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
-             HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+             rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+             HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr,
+             HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N].
     CHECK=False for interior tiles (see masked_scores); query rows past Lq, zero-filled by the
@@ -63,8 +64,8 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_b
     delta = tl.load(delta_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
     pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                       cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                      dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
-                      HAS_ALIBI, DROPOUT, PRECISION, CHECK)
+                      dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
+                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
@@ -162,8 +163,8 @@ def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
     _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                      cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                     dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
-                     HAS_ALIBI, DROPOUT, PRECISION, CHECK)
+                     dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
+                     HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 

@@ -4,10 +4,11 @@ Grid: (splits, B * Hkv, cdiv(group * Lq, BLOCK_M)). A program takes rows of one 
 group - its Hq / Hkv heads x Lq queries, head-major, so that decode's few rows share every K / V
 load - and one split of its sequence's keys (`chunk` keys, a multiple of BLOCK_N), and writes
 that split's normalised partial output and natural-log lse; attn_kvcache_combine_kernel then
-combines each row's splits and its sink - flash-decoding, two launches per call. Keys are read through the block table when PAGED (any block
-size: each key row's address from its own block), as float8_e4m3fn bytes widened in registers
-when FP8 (integer bit manipulation, no fp8 instruction needed: the same code on every backend)
-and scaled by one scalar or one value per kv head. The queries are the last Lq of the
+combines each row's splits and its sink - flash-decoding, two launches per call. Keys are read
+through the block table when PAGED (any block size: each key row's address from its own
+block), as float8_e4m3fn bytes widened in registers when FP8 (integer bit manipulation, no fp8
+instruction needed: the same code on every backend) and scaled by one scalar or one value per
+kv head. The queries are the last Lq of the
 sequence's keys (bottom-right alignment), their band and the variants as in the other kernels
 (common.py). Every program writes its rows, an empty split as (0, -inf).
 """

@@ -304,14 +304,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("fn"), "called once per distinct fallback reason");
   m.def("reset_fallback_notes", &flashsdpa::reset_fallback_notes);
   m.def(
-      "check_seqlens",
-      [](const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t total_q, int64_t total_k,
-         int64_t max_q, int64_t max_k) {
+      "check_varlen_layout",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q,
+         const at::Tensor& cu_k, int64_t max_q, int64_t max_k) {
         std::vector<int32_t> a, b;
-        flashsdpa::check_seqlens(cu_q, cu_k, total_q, total_k, max_q, max_k, &a, &b);
+        flashsdpa::check_varlen_layout(q, k, v, cu_q, cu_k, max_q, max_k, &a, &b);
         return std::make_pair(a, b);
       },
-      "the varlen ops' checks of cu_seqlens_q / _k: (cu_q, cu_k) as lists, or ValueError");
+      "the varlen ops' checks of the tensors' shapes and of cu_seqlens_q / _k (CPU): (cu_q, "
+      "cu_k) as lists, or ValueError");
   m.def("kvcache_seqlens", &flashsdpa::kvcache_seqlens, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_seqlens"),
         py::arg("block_table"), py::arg("k_scale"), py::arg("v_scale"),

@@ -405,24 +405,10 @@ std::vector<int32_t> prefix_sums(const at::Tensor& cu, const char* name, int64_t
 
 }  // namespace
 
-void check_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t total_q,
-                   int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                   std::vector<int32_t>* cu_q, std::vector<int32_t>* cu_k) {
-  *cu_q = prefix_sums(cu_seqlens_q, "cu_seqlens_q", total_q, "q", max_seqlen_q, "max_seqlen_q");
-  *cu_k = prefix_sums(cu_seqlens_k, "cu_seqlens_k", total_k, "k", max_seqlen_k, "max_seqlen_k");
-  TORCH_CHECK_VALUE(cu_k->size() == cu_q->size(), kVarlen,
-                    "cu_seqlens_k must have as many entries as cu_seqlens_q (", cu_q->size(),
-                    "), got ", cu_k->size());
-}
-
-namespace {
-
-// The checks of a varlen call: the three tensors' shapes, the prefix sums, and (on the
-// (batch, H, 0, D) shape of the padded batch, which holds no data) the ops' own checks.
-Varlen check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
-                    FLASHSDPA_VARIANT_PARAMS) {
+void check_varlen_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                         int64_t max_seqlen_q, int64_t max_seqlen_k, std::vector<int32_t>* cu_q,
+                         std::vector<int32_t>* cu_k) {
   const char* names[3] = {"q", "k", "v"};
   const at::Tensor* ts[3] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i)
@@ -430,9 +416,24 @@ Varlen check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                       " must be 3-D (total_tokens, heads, head_dim), got ", ts[i]->dim(), "-D");
   TORCH_CHECK_VALUE(v.size(0) == k.size(0), kVarlen, "v must have as many rows as k (", k.size(0),
                     "), got ", v.size(0));
+  *cu_q = prefix_sums(cu_seqlens_q, "cu_seqlens_q", q.size(0), "q", max_seqlen_q, "max_seqlen_q");
+  *cu_k = prefix_sums(cu_seqlens_k, "cu_seqlens_k", k.size(0), "k", max_seqlen_k, "max_seqlen_k");
+  TORCH_CHECK_VALUE(cu_k->size() == cu_q->size(), kVarlen,
+                    "cu_seqlens_k must have as many entries as cu_seqlens_q (", cu_q->size(),
+                    "), got ", cu_k->size());
+}
+
+namespace {
+
+// The checks of a varlen call: the layout (check_varlen_layout) and, on the (batch, H, 0, D)
+// shape of the padded batch, which holds no data, the ops' own checks.
+Varlen check_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p,
+                    FLASHSDPA_VARIANT_PARAMS) {
   Varlen vl;
-  check_seqlens(cu_seqlens_q, cu_seqlens_k, q.size(0), k.size(0), max_seqlen_q, max_seqlen_k,
-                &vl.cu_q, &vl.cu_k);
+  check_varlen_layout(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, &vl.cu_q,
+                      &vl.cu_k);
   const int64_t B = vl.batch();
   const auto padded = [&](const at::Tensor& t) {
     return at::empty({B, t.size(1), 0, t.size(2)}, t.options());

@@ -104,11 +104,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_bwd
     const at::Tensor& rng_state, FLASHSDPA_VARLEN_PARAMS,
     const c10::optional<at::Tensor>& softmax_stats);
 
-// cu_seqlens_q / _k (CPU int32, batch + 1 prefix sums from 0 to total_q / total_k, longest
-// sequence within max_seqlen_q / _k) as vectors, or a ValueError naming the argument.
-void check_seqlens(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t total_q,
-                   int64_t total_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-                   std::vector<int32_t>* cu_q, std::vector<int32_t>* cu_k);
+// A varlen call's layout, or a ValueError naming the argument: q, k, v 3-D (total, heads, dim),
+// v with k's rows; cu_seqlens_q / _k (CPU int32, batch + 1 prefix sums from 0 to q's / k's rows,
+// longest sequence within max_seqlen_q / _k), returned as vectors. Only shapes are read from
+// q, k, v (any device).
+void check_varlen_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                         int64_t max_seqlen_q, int64_t max_seqlen_k, std::vector<int32_t>* cu_q,
+                         std::vector<int32_t>* cu_k);
 
 // flash_attn_with_kvcache's checks of a call (shapes, dtypes, cache_seqlens, block_table and
 // the scales, those three given as CPU tensors; the caches' data is never read), or a

@@ -129,8 +129,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         if res is not None:
             return res if return_lse else res[0]
     # per sequence, through flash_attn_func (its routing; the same checks of cu_seqlens)
-    cu_q, cu_k = _C.check_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), q.shape[0], k.shape[0],
-                                  int(max_seqlen_q), int(max_seqlen_k))
+    cu_q, cu_k = _C.check_varlen_layout(q, k, v, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(),
+                                        int(max_seqlen_q), int(max_seqlen_k))
     outs, lses = [], []
     for s in range(len(cu_q) - 1):
         slopes = alibi_slopes[s] if alibi_slopes is not None and alibi_slopes.dim() == 2 \

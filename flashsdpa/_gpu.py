@@ -191,25 +191,16 @@ def flash_attn(q, k, v, dropout_p, softmax_scale, causal, **variants):
                           causal=bool(causal), **variants)
 
 
-_VARLEN = "flashsdpa.flash_attn_varlen_func: "
-
-
 def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, **variants):
     """flash_attn_varlen_func for tensors on a Triton device -> (out, lse) from one launch of
     each Triton kernel over all the sequences, or None where those kernels decline the call
-    (the caller then runs flash_attn_func per sequence). The CPU op's checks: the shapes, and
-    cu_seqlens read back once (a sync) so that a bad prefix sum is an error naming it, never a
-    read outside q / k / v; the per-sequence checks on a (batch, H, 0, D) stand-in."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(f"{_VARLEN}{name} must be 3-D (total_tokens, heads, head_dim), got "
-                             f"{t.dim()}-D")
-    if v.shape[0] != k.shape[0]:
-        raise ValueError(f"{_VARLEN}v must have as many rows as k ({k.shape[0]}), got "
-                         f"{v.shape[0]}")
-    cu_q, _ = _C.check_seqlens(cu_seqlens_q.cpu(), cu_seqlens_k.cpu(), q.shape[0], k.shape[0],
-                               int(max_seqlen_q), int(max_seqlen_k))
+    (the caller then runs flash_attn_func per sequence). The CPU op's checks: the layout, with
+    cu_seqlens read back once (a sync; none when they are CPU tensors) so that a bad prefix sum
+    is an error naming it, never a read outside q / k / v; the per-sequence checks on a
+    (batch, H, 0, D) stand-in."""
+    cu_q, _ = _C.check_varlen_layout(q, k, v, cu_seqlens_q.cpu(), cu_seqlens_k.cpu(),
+                                     int(max_seqlen_q), int(max_seqlen_k))
     padded = [t.new_empty((len(cu_q) - 1, t.shape[1], 0, t.shape[2])) for t in (q, k, v)]
     d = decide(*padded, None, dropout_p, causal, softmax_scale, True, "direct",
                bottom_right=True, **variants)

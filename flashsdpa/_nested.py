@@ -60,9 +60,10 @@ def route(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     off_q, off_k = q.offsets(), k.offsets()
     cu_q, cu_k = off_q.to(torch.int32), off_k.to(torch.int32)
     if query.device.type in TRITON_DEVICES:
-        # the grids need the longest sequences (the Triton path reads cu_seqlens back anyway)
-        longest = [int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0
-                   for c in (cu_q.cpu(), cu_k.cpu())]
+        # the grids need the longest sequences: one read-back of the offsets, whose CPU copies
+        # the Triton path then checks (and copies to the device) instead of reading them again
+        cu_q, cu_k = cu_q.cpu(), cu_k.cpu()
+        longest = [int((c[1:] - c[:-1]).max()) if c.numel() > 1 else 0 for c in (cu_q, cu_k)]
         res = _gpu.flash_attn_varlen(q.values(), k.values(), v.values(), cu_q, cu_k, *longest,
                                      float(dropout_p), scale, bool(is_causal))
         if res is None:  # declined by the Triton kernels

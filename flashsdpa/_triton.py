@@ -379,13 +379,15 @@ def _multiprocessors(device):
 MAX_SPLITS = 64
 
 
-def _kv_splits(device, programs, max_lk, block_n):
+def _kv_splits(device, programs, max_lk, block_n, splits=None):
     """(chunk, splits): keys per split (whole BLOCK_N tiles) and the split count, so that the
     grid holds ~4 programs per compute unit when the batch x kv heads x row tiles alone do not
     (decode: a few programs per sequence otherwise). Under the interpreter two tiles a split, so
-    that small test shapes combine several."""
+    that small test shapes combine several. splits: a count asked for instead (tests)."""
     tiles = max(1, triton_cdiv(max_lk, block_n))
-    if device.type == "cpu":  # the interpreter
+    if splits is not None:
+        per = triton_cdiv(tiles, max(1, int(splits)))
+    elif device.type == "cpu":  # the interpreter
         per = 2
     else:
         want = triton_cdiv(4 * _multiprocessors(device), max(1, programs))
@@ -413,11 +415,8 @@ def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scal
     _, _, configs, kv = _load_kernels(q.device)
     blocks, opts = configs.kvcache_config(max(d, dv), group * lq)
     m_tiles = triton_cdiv(group * lq, blocks["BLOCK_M"])
-    chunk, n_splits = _kv_splits(q.device, b * hkv * m_tiles, max_lk, blocks["BLOCK_N"])
-    if splits is not None:
-        n_splits = max(1, min(MAX_SPLITS, int(splits)))
-        chunk = triton_cdiv(triton_cdiv(max(max_lk, 1), n_splits), blocks["BLOCK_N"]) * \
-            blocks["BLOCK_N"]
+    chunk, n_splits = _kv_splits(q.device, b * hkv * m_tiles, max_lk, blocks["BLOCK_N"],
+                                 splits)
     out_p = _poisoned(torch.empty((b, hq, lq, n_splits, dv), dtype=torch.float32,
                                   device=q.device))
     lse_p = _poisoned(torch.empty((b, hq, lq, n_splits), dtype=torch.float32, device=q.device))

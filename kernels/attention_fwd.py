@@ -111,16 +111,14 @@ def attn_fwd_kernel(
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
-                                  rng_row0, Lk,
-                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
-                                  DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
+                                  rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                                  HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
                                   diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
-                                  rng_row0, Lk,
-                                  HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
-                                  DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
+                                  rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
+                                  HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

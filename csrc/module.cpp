@@ -313,6 +313,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       "the varlen ops' checks of the tensors' shapes and of cu_seqlens_q / _k (CPU): (cu_q, "
       "cu_k) as lists, or ValueError");
+  m.def("quantize_e4m3", &flashsdpa::quantize_e4m3, py::arg("t"), py::arg("scale"),
+        "k / v as a float8_e4m3fn cache stores them (flash_attn_with_kvcache's append rule)");
   m.def("kvcache_seqlens", &flashsdpa::kvcache_seqlens, py::arg("q"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_seqlens"),
         py::arg("block_table"), py::arg("k_scale"), py::arg("v_scale"),

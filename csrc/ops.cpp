@@ -791,13 +791,11 @@ at::Tensor dequantize(const at::Tensor& t, const at::Tensor& scale, at::ScalarTy
   return out;
 }
 
-// New k / v for a float8_e4m3fn cache: round-to-nearest(value / scale), saturated to e4m3's
-// range (+-448) rather than PyTorch's cast, which gives NaN out of range; NaN stays NaN.
+}  // namespace
+
 at::Tensor quantize_e4m3(const at::Tensor& t, const at::Tensor& scale) {
   return (t.to(at::kFloat) / scale.view({-1, 1})).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn);
 }
-
-}  // namespace
 
 std::vector<int64_t> kvcache_seqlens(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache,

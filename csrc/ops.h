@@ -126,6 +126,11 @@ std::vector<int64_t> kvcache_seqlens(const at::Tensor& q, const at::Tensor& k_ca
                                      const c10::optional<at::Tensor>& k_scale,
                                      const c10::optional<at::Tensor>& v_scale);
 
+// New k / v for a float8_e4m3fn cache (any device): round-to-nearest(value / scale), scale one
+// element or one per kv head (t's dim -2), saturated to e4m3's range (+-448) rather than
+// PyTorch's cast, which gives NaN out of range; NaN stays NaN.
+at::Tensor quantize_e4m3(const at::Tensor& t, const at::Tensor& scale);
+
 at::Tensor output_like_query(const at::Tensor& q, int64_t Dv);
 
 // The kernel policy and first profiler event (driver.h, forward_event) of a forward call with

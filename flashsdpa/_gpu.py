@@ -223,8 +223,8 @@ def _cpu(t):
 
 def _append(cache, new, start, block_table):
     """new (B, n, Hkv, D) written in place at rows start[b] .. start[b] + n of each sequence's
-    cache (through its block table when paged); float8 caches take round-to-nearest(new / scale)
-    saturated to +-448 (the CPU op's rule; the caller passes them quantised), written as bytes."""
+    cache (through its block table when paged); a float8 cache's new rows come quantised
+    (_C.quantize_e4m3, the CPU op's rule) and are written as bytes."""
     b, n = new.shape[:2]
     pos = start.view(b, 1) + torch.arange(n, device=cache.device)
     if block_table is None:
@@ -235,10 +235,6 @@ def _append(cache, new, start, block_table):
     as_bits = cache.dtype == torch.float8_e4m3fn  # index_put on the bytes: any backend has it
     target = cache.view(torch.uint8) if as_bits else cache
     target.index_put_(index, new.view(torch.uint8) if as_bits else new)
-
-
-def _quantized(t, scale):
-    return (t.float() / scale.view(-1, 1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
 
 
 def _kvcache_gathered(q, k_cache, v_cache, block_table, seqlens, scales, softmax_scale, causal,
@@ -303,7 +299,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if k is not None and k.shape[1]:
         start = torch.tensor([n - k.shape[1] for n in seqlens], device=q.device)
         for cache, new, i in ((k_cache, k, 0), (v_cache, v, 1)):
-            _append(cache, _quantized(new, scales[i]) if fp8 else new, start, table)
+            _append(cache, _C.quantize_e4m3(new, scales[i]) if fp8 else new, start, table)
     if d["backend"] != "triton":
         log_fallback(d["reasons"]["triton"][0] if d["reasons"]["triton"] else d["via"])
         return _kvcache_gathered(q, k_cache, v_cache, table, seqlens, scales, softmax_scale,

@@ -354,20 +354,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   t.def(
       "exp2_row_sum",
-      [](const at::Tensor& x, double m, const std::string& dt) {
+      [](const at::Tensor& x, double m, const std::string& dt, bool bf16_p) -> py::object {
         TORCH_CHECK(x.dim() == 1 && x.scalar_type() == at::kFloat, "exp2_row_sum: x must be a 1-D "
                     "float32 tensor");
         const int64_t n = x.numel();
         // padded to whole vectors of -inf, which the tiers' loops read
         at::Tensor buf = at::full({(n + 15) / 16 * 16 + 16}, -INFINITY, x.options());
         buf.narrow(0, 0, n).copy_(x);
-        const float sum = flashsdpa::cpu::selected_tier(parse_dtype(dt))
-                              .exp2_row_sum(buf.data_ptr<float>(), int(n), float(m));
-        return py::make_tuple(buf.narrow(0, 0, n).clone(), sum);
+        const auto& tier = flashsdpa::cpu::selected_tier(parse_dtype(dt));
+        if (!bf16_p) {
+          const float sum = tier.exp2_row_sum(buf.data_ptr<float>(), int(n), float(m));
+          return py::make_tuple(buf.narrow(0, 0, n).clone(), sum);
+        }
+        if (!tier.exp2_row_sum_bf16) return py::none();
+        at::Tensor p = at::empty({buf.numel()}, x.options().dtype(at::kBFloat16));
+        const float sum = tier.exp2_row_sum_bf16(
+            buf.data_ptr<float>(), int(n), 1.0f, float(m),
+            reinterpret_cast<uint16_t*>(p.data_ptr<at::BFloat16>()));
+        return py::make_tuple(p.narrow(0, 0, n).clone(), sum);
       },
-      py::arg("x"), py::arg("m"), py::arg("dtype") = "float32",
+      py::arg("x"), py::arg("m"), py::arg("dtype") = "float32", py::arg("bf16_p") = false,
       "the softmax exponent of the tier that runs `dtype` (cap / emulation honoured): "
-      "(exp2(x - m), its sum)");
+      "(exp2(x - m), its sum); bf16_p: the one P V's bf16 operand is made with (P in bf16, "
+      "the unrounded sum), None where that tier's P is not bf16");
   t.def(
       "softcap_row",
       [](const at::Tensor& x, double cap, const std::string& dt) {

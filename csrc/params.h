@@ -258,6 +258,9 @@ struct CpuTier {
   // Test hook: the tier's softmax exponent, s[j] = exp2(s[j] - m) for j < n, returns the sum
   // (s padded to a multiple of 16 floats; lanes from n on must hold -inf).
   float (*exp2_row_sum)(float* s, int n, float m);
+  // Test hook, on tiers whose P V takes P in bf16 (null elsewhere): that exponent, P =
+  // 2^(s[j] * mul - m) rounded to bf16 into dst (n padded to 16), returns the unrounded sum.
+  float (*exp2_row_sum_bf16)(const float* s, int n, float mul, float m, uint16_t* dst);
   // Test hook: the tier's softcap, x[j] = cap * tanh(x[j] / cap) (x padded to 16 floats).
   void (*softcap_row)(float* x, int n, float cap);
 };

@@ -285,3 +285,31 @@ def test_exp2_row_sum(tier, dtype):
     y, total = _testing.exp2_row_sum(torch.tensor([0.0, float("nan"), -1.0] + [-2.0] * 16), 0.0, dtype)
     assert torch.isnan(y[1]) and not torch.isnan(y[0]) and not torch.isnan(y[2:]).any(), (
         f"{tier}: NaN must stay in its lane: {y}")
+
+
+def test_exp2_bf16_p(tier):
+    """The exponent P V's bf16 operand is made with, on the tiers whose P V takes P in bf16
+    (avx512_bf16, amx: the degree-3 polynomial of scalar.h, kExp2DegreeBf16P): each weight
+    within bf16's rounding (2^-8 relative) plus 1e-4 of 2^x, the sum of the unrounded weights
+    within 1e-4 relative (a polynomial of degree 2, 1.7e-3 off, fails it), -inf and far-below-
+    range scores give 0, NaN stays in its lane. Tiers whose P stays fp32 have none."""
+    ran = flashsdpa.cpu_isa(torch.bfloat16)
+    got = _testing.exp2_row_sum(torch.zeros(1), 0.0, "bfloat16", bf16_p=True)
+    assert (got is not None) == (ran in ("avx512_bf16", "amx")), f"{tier} runs bf16 on {ran}"
+    if got is None:
+        return
+    g = torch.Generator().manual_seed(11)
+    m = 0.75
+    for n in (1, 7, 15, 16, 17, 64, 100, 256):
+        s = (m - torch.rand(n, generator=g, dtype=torch.float64) * 30.0).float()
+        p, total = _testing.exp2_row_sum(s, m, "bfloat16", bf16_p=True)
+        ref = torch.exp2((s - m).double())
+        rel = ((p.double() - ref).abs() / ref).max().item()
+        assert rel <= 2.0 ** -8 + 1e-4, f"{tier}: bf16 P relative error {rel:.3g} (n={n})"
+        assert abs(total - ref.sum().item()) <= 1e-4 * ref.sum().item(), (
+            f"{tier}: unrounded sum {total} vs {ref.sum().item()} (n={n})")
+    s = torch.tensor([0.0, float("-inf"), -1.0e4, -160.0, float("nan"), -1.0] + [-2.0] * 14)
+    p, _ = _testing.exp2_row_sum(s, 0.0, "bfloat16", bf16_p=True)
+    assert torch.equal(p[1:4].float(), torch.zeros(3)), f"{tier}: {p[1:4]} should be exactly 0"
+    assert torch.isnan(p[4]) and not torch.isnan(p[:4]).any() and not torch.isnan(p[5:]).any(), (
+        f"{tier}: NaN must stay in its lane: {p}")

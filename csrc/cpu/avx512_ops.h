@@ -98,26 +98,28 @@ inline __m128 reduce4(__m512 x0, __m512 x1, __m512 x2, __m512 x3) {
 // sum is not finite).
 // The lanes not in `keep` are 0, whatever x holds there (a band tile's columns a row does not
 // see: their results are never formed, so they take no assist either).
-template <bool kMasked = true>
+template <bool kMasked = true, int kDegree = 6>
 inline __m512 exp2_16(__m512 x, __mmask16 keep = 0xffff) {
   const __m512 lo = _mm512_set1_ps(-126.0f);
   const __m512 xc = kMasked ? _mm512_max_ps(lo, x) : x;
   const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(xc, n);
-  const __m512 p = exp2_horner(f, [](float c) { return _mm512_set1_ps(c); },
-                               [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
+  const __m512 p = exp2_horner<kDegree>(
+      f, [](float c) { return _mm512_set1_ps(c); },
+      [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); });
   if constexpr (kMasked) keep &= _mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ);
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // The fused exponentials of one row of a micro-tile (kExp, one reference per row): P = 2^x of
 // its two vectors (0 on the columns not set in `bits`), their sum added to the row's 16 lanes
-// at sv.
+// at sv; kDegree: exp2_horner's.
 // (Always inlined: a call would pass the tile's registers through memory.)
+template <int kDegree = 6>
 __attribute__((always_inline)) inline void exp2_row_pair(__m512 x0, __m512 x1, uint32_t bits,
                                                         float* sv, __m512* p0, __m512* p1) {
-  *p0 = exp2_16<false>(x0, __mmask16(bits));
-  *p1 = exp2_16<false>(x1, __mmask16(bits >> 16));
+  *p0 = exp2_16<false, kDegree>(x0, __mmask16(bits));
+  *p1 = exp2_16<false, kDegree>(x1, __mmask16(bits >> 16));
   _mm512_storeu_ps(sv, _mm512_add_ps(_mm512_loadu_ps(sv), _mm512_add_ps(*p0, *p1)));
 }
 

@@ -86,7 +86,8 @@ struct Avx512Bf16Ops : Avx512Ops {
       __m512 sum = _mm512_setzero_ps();
       for (int j = 0; j < n; j += 16) {
         const __mmask16 keep = j + 16 > n ? tail_mask16(n - j) : __mmask16(0xffff);
-        const __m512 e = exp2_16(_mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv), keep);
+        const __m512 e = exp2_16<true, kExp2DegreeBf16P>(
+            _mm512_fmadd_ps(_mm512_loadu_ps(s + j), kv, mv), keep);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j), cvt16_bf16(e));
         sum = _mm512_add_ps(sum, e);
       }
@@ -265,8 +266,9 @@ struct Avx512Bf16Ops : Avx512Ops {
   if (R > n) {                                                                       \
     const __m512 mr = _mm512_set1_ps(-mref[n]);                                      \
     __m512 p0, p1;                                                                   \
-    exp2_row_pair(_mm512_fmadd_ps(c##i##0, kv, mr), _mm512_fmadd_ps(c##i##1, kv, mr), \
-                  band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1);                  \
+    exp2_row_pair<kExp2DegreeBf16P>(_mm512_fmadd_ps(c##i##0, kv, mr),                \
+                                    _mm512_fmadd_ps(c##i##1, kv, mr),                \
+                                    band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1); \
     _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); \
   }
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)

@@ -116,11 +116,30 @@ constexpr float kExp2C5 = 0.0013399930903688073f;
 constexpr float kExp2C6 = 0.00015345810970757157f;
 constexpr float kExp2Max = 127.0f, kExp2Min = -127.0f;
 
+// A softmax weight rounded to bf16 before its GEMM (P V's operand on the bf16 dot-product tiers)
+// keeps 8 significant bits, whose rounding is up to 3.9e-3 relative: there 2^f is the degree-3
+// polynomial fitted the same way, 7.5e-5 relative at most (50x under that rounding), 3 of the
+// exponential's 9 vector ops fewer. It is the only difference: the row sums and the backward
+// use the same weights up to that 7.5e-5.
+constexpr int kExp2DegreeBf16P = 3;
+constexpr float kExp2P3C0 = 0.9999282360076904f;
+constexpr float kExp2P3C1 = 0.693260908126831f;
+constexpr float kExp2P3C2 = 0.24260830879211426f;
+constexpr float kExp2P3C3 = 0.05517052486538887f;
+
 // Written branch-free so that loops over it auto-vectorise.
 // The polynomial on f = x - rint(x) in [-0.5, 0.5] by Horner's rule, on floats or on any vector
 // type, given its splat and fused (or not) multiply-add: the scalar, vf4, ymm and zmm exp2.
-template <class R, class Splat, class Fma>
+// kDegree: 6 (exp2_poly), or kExp2DegreeBf16P for weights rounded to bf16.
+template <int kDegree = 6, class R, class Splat, class Fma>
 inline R exp2_horner(R f, Splat splat, Fma fma) {
+  static_assert(kDegree == 6 || kDegree == kExp2DegreeBf16P, "the two fitted polynomials");
+  if constexpr (kDegree == kExp2DegreeBf16P) {
+    R p = splat(kExp2P3C3);
+    p = fma(p, f, splat(kExp2P3C2));
+    p = fma(p, f, splat(kExp2P3C1));
+    return fma(p, f, splat(kExp2P3C0));
+  }
   R p = splat(kExp2C6);
   p = fma(p, f, splat(kExp2C5));
   p = fma(p, f, splat(kExp2C4));
@@ -130,13 +149,14 @@ inline R exp2_horner(R f, Splat splat, Fma fma) {
   return fma(p, f, splat(kExp2C0));
 }
 
+template <int kDegree = 6>
 inline float exp2_poly(float x) {
   float xc = x < kExp2Max ? x : kExp2Max;
   xc = xc > kExp2Min ? xc : kExp2Min;  // NaN -> kExp2Min, restored below
   const float n = __builtin_rintf(xc);
   const float f = xc - n;
-  const float p = exp2_horner(f, [](float c) { return c; },
-                              [](float a, float b, float c) { return a * b + c; });
+  const float p = exp2_horner<kDegree>(f, [](float c) { return c; },
+                                       [](float a, float b, float c) { return a * b + c; });
   const float scale = bits_f32(uint32_t(int32_t(n) + 127) << 23);
   return x != x ? x : p * scale;
 }

@@ -23,6 +23,15 @@
 
 namespace flashsdpa {
 namespace cpu {
+namespace FLASHSDPA_TIER_NS {
+// The bf16 P exponent's test hook, where the trait makes P in bf16 (prep_a).
+template <class Ops>
+float (*exp2_bf16_hook())(const float*, int, float, float, uint16_t*) {
+  if constexpr (caps<Ops>().prep_a) return &Ops::Row::exp2_row_sum_bf16;
+  return nullptr;
+}
+}  // namespace FLASHSDPA_TIER_NS
+
 const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   using Impl = FLASHSDPA_TIER_NS::TierImpl<FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS>;
   using Ops = FLASHSDPA_TIER_NS::FLASHSDPA_TIER_OPS;
@@ -34,6 +43,7 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
                             FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
+                            FLASHSDPA_TIER_NS::exp2_bf16_hook<Ops>(),
                             &Ops::Row::softcap_row};
   return &tier;
 }

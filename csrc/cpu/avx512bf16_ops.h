@@ -430,6 +430,12 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       ul[c] = _mm512_unpacklo_epi16(x[c], y[c]);
       uh[c] = _mm512_unpackhi_epi16(x[c], y[c]);
     }
+    pair_dots<R, C>(ul, uh, pwj, ldpw, lo, hi);
+  }
+  // The pair's words already in unpack order (ul[c] / uh[c]: what pair_step's unpacks give).
+  template <int R, int C>
+  static inline void pair_dots(const __m512i* ul, const __m512i* uh, const uint32_t* pwj,
+                               int ldpw, __m512 (*lo)[C], __m512 (*hi)[C]) {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pwj[int64_t(r) * ldpw]));
@@ -546,8 +552,12 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
 // AVX512_VBMI is not part of this tier's flags (a CPU with AVX512-BF16 but not VBMI, Cooper
 // Lake, would run its code): these functions alone are compiled for it, and selected_isa keeps
 // e4m3 calls off this tier where the CPU lacks it. The emulated build needs no target (SIMDe).
+// P V takes V in key pairs: there vpermi2b gathers the bytes of two keys' 64 dims (key a's
+// byte d at index d, key b's at 64 + d) into pair[t] (t = 0, 1: dims 32t to 32t + 31) so that
+// the tables and unpacks give the words pair_step's unpacks would: in each 128-bit lane L,
+// byte j < 8 is dim 32t + 8L + j / 2 of key j % 2, byte 8 + j the same 4 dims on.
 struct E4m3Tables {
-  alignas(64) uint8_t hi[128], lo[128], perm[64];
+  alignas(64) uint8_t hi[128], lo[128], perm[64], pair[2][64];
   E4m3Tables() {
     for (int m = 0; m < 128; ++m) {
       const uint32_t bits = f32_bits(to_f32(e4m3_t{uint8_t(m)})) >> 16;  // exact (or NaN)
@@ -555,6 +565,10 @@ struct E4m3Tables {
     }
     for (int k = 0; k < 4; ++k)
       for (int i = 0; i < 8; ++i) perm[16 * k + i] = uint8_t(8 * k + i), perm[16 * k + 8 + i] = uint8_t(32 + 8 * k + i);
+    for (int t = 0; t < 2; ++t)
+      for (int L = 0; L < 4; ++L)
+        for (int j = 0; j < 16; ++j)
+          pair[t][16 * L + j] = uint8_t(64 * (j % 2) + 32 * t + 8 * L + 4 * (j / 8) + j % 8 / 2);
   }
   static const E4m3Tables& get() {
     static const E4m3Tables t;
@@ -571,23 +585,38 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
                        /*inner_pack=*/1, /*fused_exp=*/false, /*transposed_s=*/false)
 
   struct Lut {
-    __m512i hi0, hi1, lo0, lo1, perm;
+    __m512i hi0, hi1, lo0, lo1, perm, pair0, pair1;
     Lut() {
       const E4m3Tables& t = E4m3Tables::get();
       hi0 = _mm512_load_si512(t.hi), hi1 = _mm512_load_si512(t.hi + 64);
       lo0 = _mm512_load_si512(t.lo), lo1 = _mm512_load_si512(t.lo + 64);
       perm = _mm512_load_si512(t.perm);
+      pair0 = _mm512_load_si512(t.pair[0]), pair1 = _mm512_load_si512(t.pair[1]);
     }
-    // 64 bytes (n < 64: the first n, the rest read as 0) -> bf16 dims 0-31 and 32-63
-    inline void widen(const e4m3_t* p, int n, __m512i* out0, __m512i* out1) const {
-      const __m512i raw = n >= 64 ? _mm512_loadu_si512(p)
-                                  : _mm512_maskz_loadu_epi8((1ull << n) - 1, p);
-      const __m512i b = _mm512_permutexvar_epi8(perm, raw);
+    static inline __m512i load(const e4m3_t* p, int n) {  // n < 64: the first n, the rest 0
+      return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << n) - 1, p);
+    }
+    // 64 bytes in table order (b) -> the bf16 words of bytes 0-7 of each 128-bit lane (*out0)
+    // and of bytes 8-15 (*out1)
+    inline void words(__m512i b, __m512i* out0, __m512i* out1) const {
       __m512i h = _mm512_permutex2var_epi8(hi0, b, hi1);
       const __m512i l = _mm512_permutex2var_epi8(lo0, b, lo1);
       h = _mm512_ternarylogic_epi32(h, b, _mm512_set1_epi8(char(0x80)), 0xF8);  // h | (b & 0x80)
       *out0 = _mm512_unpacklo_epi8(l, h);
       *out1 = _mm512_unpackhi_epi8(l, h);
+    }
+    // 64 bytes (n < 64: the first n, the rest read as 0) -> bf16 dims 0-31 and 32-63
+    inline void widen(const e4m3_t* p, int n, __m512i* out0, __m512i* out1) const {
+      words(_mm512_permutexvar_epi8(perm, load(p, n)), out0, out1);
+    }
+    // 64 dims (n of them) of keys a and b (null: zeros) -> pair_step's unpacked words of dims
+    // 0-31 (*ul0, *uh0) and, n > 32, 32-63 (*ul1, *uh1): 12 vector ops, where widening both
+    // keys and unpacking takes 18
+    inline void widen_pair(const e4m3_t* a, const e4m3_t* b, int n, __m512i* ul0, __m512i* uh0,
+                           __m512i* ul1, __m512i* uh1) const {
+      const __m512i ra = load(a, n), rb = b ? load(b, n) : _mm512_setzero_si512();
+      words(_mm512_permutex2var_epi8(ra, pair0, rb), ul0, uh0);
+      if (n > 32) words(_mm512_permutex2var_epi8(ra, pair1, rb), ul1, uh1);
     }
   };
 
@@ -635,23 +664,15 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
       Avx512Bf16DecodeOps::decode_qk(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
-  // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), V widened 64 dims at a
-  // time: R rows x C chunks of 32 dims from d0 (C = 1: the chunk's 32 bytes only).
+  // P V as pv_pairs (bf16 P pairs against unpacked (V[j], V[j+1]) words), each pair's words
+  // made straight from its two rows' bytes (widen_pair), 64 dims at a time: R rows x C chunks of
+  // 32 dims from d0 (C = 1: the chunk's 32 bytes only).
   template <int R, int C, class Rows>
   static inline void pv_pairs(const Lut& t, const Rows& v, int nk,
                               const uint32_t* pw, int ldpw, float* acc, int ldacc, int d0,
                               bool prefetch) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
-    const auto widen = [&](const e4m3_t* row, __m512i* x) {
-      if (!row) {
-        for (int c = 0; c < C; ++c) x[c] = _mm512_setzero_si512();
-        return;
-      }
-      __m512i spare;
-#pragma GCC unroll 2
-      for (int c = 0; c < C; c += 2) t.widen(row + 32 * c, C == 1 ? 32 : 64, &x[c], C == 1 ? &spare : &x[c + 1]);
-    };
     prefetch = prefetch && prefetches_at(v, d0);
     const int np = (nk + 1) / 2;
     auto c = v.cursor();
@@ -664,10 +685,12 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     for (int jp = 0; jp < np; ++jp) {
       const e4m3_t* va = take();
       const e4m3_t* vb = 2 * jp + 1 < nk ? take() : nullptr;  // the last key: pair (V, 0)
-      __m512i x[C], y[C];
-      widen(va, x);
-      widen(vb, y);
-      pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
+      __m512i ul[C + 1], uh[C + 1];  // (C = 1: one spare)
+#pragma GCC unroll 2
+      for (int c = 0; c < C; c += 2)
+        t.widen_pair(va + 32 * c, vb ? vb + 32 * c : nullptr, C == 1 ? 32 : 64, &ul[c], &uh[c],
+                     &ul[c + 1], &uh[c + 1]);
+      pair_dots<R, C>(ul, uh, pw + jp, ldpw, lo, hi);
     }
     store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }

@@ -106,7 +106,8 @@ template <> inline f16_t from_f32<f16_t>(float v) { return f16_t{f32_to_f16(v)};
 // by Horner its error is below 1.1e-7 relative (1.8 ulp). x is clamped to [-127, 127]: from
 // n = -127 on the exponent field is 0 and the result is exactly 0 (weights below 2^-126 of the
 // row maximum do not matter to a softmax), so -inf gives 0; NaN propagates.
-// Every tier evaluates exactly this formula (vectorised), so forward and backward agree.
+// Every tier evaluates exactly this formula (vectorised), so forward and backward agree (but for
+// the weights rounded to bf16 below).
 constexpr float kExp2C0 = 1.0f;
 constexpr float kExp2C1 = 0.6931471824645996f;
 constexpr float kExp2C2 = 0.24022646248340607f;

@@ -150,14 +150,13 @@ inline R exp2_horner(R f, Splat splat, Fma fma) {
   return fma(p, f, splat(kExp2C0));
 }
 
-template <int kDegree = 6>
 inline float exp2_poly(float x) {
   float xc = x < kExp2Max ? x : kExp2Max;
   xc = xc > kExp2Min ? xc : kExp2Min;  // NaN -> kExp2Min, restored below
   const float n = __builtin_rintf(xc);
   const float f = xc - n;
-  const float p = exp2_horner<kDegree>(f, [](float c) { return c; },
-                                       [](float a, float b, float c) { return a * b + c; });
+  const float p = exp2_horner(f, [](float c) { return c; },
+                              [](float a, float b, float c) { return a * b + c; });
   const float scale = bits_f32(uint32_t(int32_t(n) + 127) << 23);
   return x != x ? x : p * scale;
 }

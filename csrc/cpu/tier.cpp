@@ -26,7 +26,7 @@ namespace cpu {
 namespace FLASHSDPA_TIER_NS {
 // The bf16 P exponent's test hook, where the trait makes P in bf16 (prep_a).
 template <class Ops>
-float (*exp2_bf16_hook())(const float*, int, float, float, uint16_t*) {
+decltype(CpuTier::exp2_row_sum_bf16) exp2_bf16_hook() {
   if constexpr (caps<Ops>().prep_a) return &Ops::Row::exp2_row_sum_bf16;
   return nullptr;
 }

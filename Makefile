@@ -98,6 +98,7 @@ peak: build
 # hw-check excepted (bench/results/hw_*).
 bench-all: build
 	$(PY) bench/bench_sdpa.py --mode fwd --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode fwd --cap-isa avx2 --tag fwd_avx2 --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode train --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode decode --out-dir bench/results
 	$(PY) bench/bench_paths.py --out bench/results/paths.json
@@ -105,7 +106,7 @@ bench-all: build
 	$(PY) bench/bench_sdpa.py --mode serving --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16 --out-dir bench/results
 	$(PY) bench/report.py --readme README.md --plots bench/results \
-	  bench/results/fwd.json bench/results/train.json \
+	  bench/results/fwd.json bench/results/fwd_avx2.json bench/results/train.json \
 	  bench/results/decode.json bench/results/paths.json bench/results/variants.json \
 	  bench/results/serving.json bench/results/hf.json \
 	  $(wildcard bench/results/gpu_fwd.json bench/results/gpu_train.json)

@@ -29,6 +29,12 @@ stderr. Dtypes: fp32, bf16, fp16, or torch's names (float32, torch.bfloat16, ...
     python bench/bench_sdpa.py --mode decode
     python bench/bench_sdpa.py --shapes 1x16x1024x64,1x16/4x1024x128   # BxH[/Hkv]xLxD
     python bench/bench_sdpa.py --device xpu --dtypes fp16,bf16 --mode train
+    python bench/bench_sdpa.py --cap-isa avx2 --tag fwd_avx2   # both libraries held to AVX2
+
+--cap-isa avx2 holds PyTorch (its kernels' CPU dispatch, MKL and oneDNN) and flashsdpa to AVX2 on
+a newer x86 CPU: the nearest this machine gets to an AVX2-only host (the same core's caches and
+FMA units, so not a measurement of an older core). Those caps are environment variables read
+when the libraries load, so the script runs itself again with them set (CAP_ENV).
 """
 import argparse
 import csv
@@ -41,9 +47,27 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+CAP_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX2", "FLASHSDPA_CPU_ISA": "avx2"}}
+CAPPED = "FLASHSDPA_BENCH_CAP_ISA"  # set in the re-run: the cap its libraries were loaded under
+
+
+def _rerun_capped(argv):
+    """With --cap-isa NAME (before torch is imported): this script again under CAP_ENV[NAME]."""
+    names = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+             for i, a in enumerate(argv) if a.split("=", 1)[0] == "--cap-isa"]
+    if not names or names[-1] not in CAP_ENV or os.environ.get(CAPPED) == names[-1]:
+        return  # (an unknown name: argparse's error, below)
+    env = dict(os.environ, **CAP_ENV[names[-1]], **{CAPPED: names[-1]})
+    os.execve(sys.executable, [sys.executable] + argv, env)
+
+
+if __name__ == "__main__":
+    _rerun_capped(sys.argv)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -403,6 +427,8 @@ def host_meta(mode):
         "python": platform.python_version(),
         "tiers": {name: flashsdpa.cpu_isa(dt) for name, dt in DTYPES.items()},
         "isa_cap": _C.isa_cap(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cap_isa": os.environ.get(CAPPED),  # --cap-isa: both libraries held to it
         "mode": mode,
     }
 
@@ -551,6 +577,10 @@ def markdown(meta, rows):
     kernels = ("flashsdpa: Triton kernels" if gpu else
                "flashsdpa tiers: " + ", ".join(f"{k}={v}" for k, v in meta["tiers"].items()))
     header = f"{mode} | {where} | {meta['threads']} threads | torch {meta['torch']} | {kernels}"
+    if meta.get("cap_isa"):
+        header += (f" | --cap-isa {meta['cap_isa']}: PyTorch's CPU capability "
+                   f"{meta.get('torch_cpu_capability')}, MKL and oneDNN at "
+                   f"{CAP_ENV[meta['cap_isa']]['ONEDNN_MAX_CPU_ISA']}")
     return "\n".join([header, peak_line, ""] + lines + [""] + summary)
 
 
@@ -592,6 +622,8 @@ def main(argv=None):
                          "bench-all: bench/results/)")
     ap.add_argument("--tag", default=None, help="output file name (default: the mode)")
     ap.add_argument("--no-peak", action="store_true", help="skip bench/peak.py")
+    ap.add_argument("--cap-isa", choices=sorted(CAP_ENV), default=None,
+                    help="hold PyTorch and flashsdpa to this ISA (see above)")
     ap.add_argument("--peak-read-mib", type=int, default=1024)
     args = ap.parse_args(argv)
     if args.mode in ("variants", "serving", "hf"):

@@ -38,6 +38,8 @@ def render(paths, plots=None, base="."):
             res = json.load(f)
         meta = res["meta"]
         title = TITLES.get(meta["mode"], meta["mode"])
+        if meta.get("cap_isa"):  # bench_sdpa.py --cap-isa
+            title += f", PyTorch and flashsdpa both held to {meta['cap_isa'].upper()}"
         parts.append(f"#### {title} (`{os.path.relpath(path)}`, {meta['date']})\n")
         parts.append(RENDER.get(meta["mode"], markdown)(meta, res["rows"]))
         parts.append("")

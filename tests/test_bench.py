@@ -76,9 +76,11 @@ def test_bench_output_is_untracked_unless_bench_all():
     assert dry.returncode == 0, dry.stderr
     runs = [ln for ln in dry.stdout.splitlines() if "bench/bench_" in ln]
     default = [ln for ln in runs if "bench/results" not in ln]
-    assert len(runs) == 8 and len(default) == 1 and "--out" not in default[0], runs  # make bench
+    assert len(runs) == 9 and len(default) == 1 and "--out" not in default[0], runs  # make bench
     assert "report.py --readme README.md --plots bench/results" in dry.stdout  # + figures
-    assert "bench/results/fwd.json" in dry.stdout.split("report.py", 1)[1]
+    rendered = dry.stdout.split("report.py", 1)[1]
+    assert "bench/results/fwd.json" in rendered and "bench/results/fwd_avx2.json" in rendered
+    assert any("--cap-isa avx2 --tag fwd_avx2 --out-dir bench/results" in r for r in runs)
 
 
 def test_visible_pairs_matches_a_mask_count():
@@ -198,6 +200,7 @@ def test_bench_gpu_device_needs_a_gpu(tmp_path):
     (["--shapes", "1x3/2x8x8"], "H a multiple of Hkv"),
     (["--shapes", "0x2x8x8"], "sizes must be >= 1"),
     (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--cap-isa", "avx512"], "--cap-isa: invalid choice: 'avx512'"),
 ])
 def test_bench_bad_arguments_name_the_argument(tmp_path, args, message):
     res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_sdpa.py"), *args,
@@ -205,6 +208,25 @@ def test_bench_bad_arguments_name_the_argument(tmp_path, args, message):
     assert res.returncode == 2 and message in res.stderr, res.stderr
     assert "Traceback" not in res.stderr
     assert not list(tmp_path.iterdir())  # failed before any timing or output
+
+
+def test_bench_cap_isa_holds_both_libraries(tmp_path):
+    """--cap-isa avx2: the run's PyTorch dispatches at AVX2 and flashsdpa runs its avx2 tier
+    (the script ran itself again under the caps), and the results say so."""
+    import torch
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("an x86 host with AVX2")
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_sdpa.py"), "--cap-isa",
+                          "avx2", "--shapes", "tiny", "--repeats", "1", "--dtypes", "fp32",
+                          "--causal", "no", "--no-peak", "--out-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    meta = json.loads((tmp_path / "fwd.json").read_text())["meta"]
+    assert meta["cap_isa"] == "avx2" and meta["torch_cpu_capability"] == "AVX2", meta
+    assert set(meta["tiers"].values()) == {"avx2"}, meta["tiers"]
+    assert "--cap-isa avx2: PyTorch's CPU capability AVX2" in res.stdout
+    text = rendered_readme(tmp_path, tmp_path / "fwd.json")
+    assert "#### Forward, PyTorch and flashsdpa both held to AVX2" in text
 
 
 def test_bench_paths_runs_every_path(tmp_path):

@@ -53,12 +53,15 @@ CAPPED = "FLASHSDPA_BENCH_CAP_ISA"  # set in the re-run: the cap its libraries w
 
 
 def _rerun_capped(argv):
-    """With --cap-isa NAME (before torch is imported): this script again under CAP_ENV[NAME]."""
-    names = [a.split("=", 1)[1] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
-             for i, a in enumerate(argv) if a.split("=", 1)[0] == "--cap-isa"]
-    if not names or names[-1] not in CAP_ENV or os.environ.get(CAPPED) == names[-1]:
-        return  # (an unknown name: argparse's error, below)
-    env = dict(os.environ, **CAP_ENV[names[-1]], **{CAPPED: names[-1]})
+    """With --cap-isa NAME (before torch is imported): this script again under CAP_ENV[NAME].
+    The option is read as main's parser reads it (abbreviations, --cap-isa=NAME), so that no
+    spelling main accepts runs uncapped."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--cap-isa")
+    name = pre.parse_known_args(argv[1:])[0].cap_isa
+    if name not in CAP_ENV or os.environ.get(CAPPED) == name:
+        return  # (None, or an unknown name: main's parser reports it)
+    env = dict(os.environ, **CAP_ENV[name], **{CAPPED: name})
     os.execve(sys.executable, [sys.executable] + argv, env)
 
 

@@ -269,6 +269,10 @@ struct Avx2Ops : GenericOps {
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
+  // One V prefetch per line in light decode: one query row's P V (decode_pv) reads a row's
+  // dims in passes of 64 over the whole block (16 registers), so the later passes read lines a
+  // prefetch of each row's first line leaves to the streamer, which does not follow them there.
+  static constexpr int kLightVEvery = 64;
   FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/false)
 

@@ -201,6 +201,7 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int MR = 12;  // 12 x 2 = 24 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
+  static constexpr int kLightVEvery = GenericOps::kLightVEvery;  // P V: a row in one pass (pv_zmm)
   using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/true)

@@ -78,10 +78,12 @@ struct FlashDecode {
   }
 
   // Prefetches (the row sources' `every`, bytes apart in a row): K rows one per line; V rows
-  // too, but in light decode (light_decode: little compute per byte) one per fourth line, as the
-  // hardware streamer follows the software prefetches and fetches the lines between, and fewer
-  // prefetch instructions let the loads run further ahead (sparser was slower with more rows).
-  static int prefetch_every(const AttnParams& p, bool v) { return v && light_decode(p) ? 256 : 64; }
+  // too, but in light decode (light_decode: little compute per byte) one per O::kLightVEvery
+  // bytes (the decode trait's: how its P V walks a row, generic_ops.h).
+  template <class O>
+  static int prefetch_every(const AttnParams& p, bool v) {
+    return v && light_decode(p) ? O::kLightVEvery : 64;
+  }
 
   // Paged caches are read in place when pages hold a multiple of 16 keys; smaller or odd pages
   // are copied into the thread's scratch first, a block of keys at a time (gather_rows), where
@@ -260,7 +262,7 @@ struct FlashDecode {
       const auto with_rows = [&](const Side& side, int64_t width, bool v, const KV** at,
                                  const KV** pf, auto&& f) {
         const int64_t dist = ahead(p, v);
-        const int every = prefetch_every(p, v);
+        const int every = prefetch_every<O>(p, v);
         if (gather) {
           gather_rows(p, side, b, hk0, j0, nk, width, L.kv);
           return f(StridedRows<KV>{L.kv, span(p, side.sh, width), 0, every});

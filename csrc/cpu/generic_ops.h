@@ -448,6 +448,11 @@ struct GenericOps {
   static void thread_end() {}
   static constexpr int kBlockQ = 60;     // forward: query rows per block (a multiple of MR)
   static constexpr int kBlockQBwd = 64;  // backward: query rows per block
+  // Light decode's V prefetches (flash_decode.h prefetch_every): one per this many bytes of a
+  // row, where the trait's P V reads a row in one pass and the hardware streamer fetches the
+  // lines between (fewer prefetch instructions let the loads run further ahead); one per line
+  // where it does not (Avx2Ops). (This trait leaves prefetching to the hardware.)
+  static constexpr int kLightVEvery = 256;
   using Row = RowOps<VecF4>;  // the row operations and operand formats (row_ops.h)
 
 

@@ -60,6 +60,19 @@ def test_decode_last_key_weighs(tier, decode_path, group, D, S, dtype):
                            attn_mask=mask, enable_gqa=True, backward=False)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("group,D", [(16, 256), (12, 264), (5, 520), (2, 2056)])
+def test_decode_many_rows_wide_heads(tier, decode_path, group, D, dtype):
+    """Row counts beyond what the avx2 trait's bf16 Q.K puts in its chunk order at once (2048
+    floats of q: 8 rows of D 256, 7 of 264, 3 of 520, none of 2056, which reads q as it is),
+    so that the later rows read the block's K again; 16-dim chunks and a tail of 8 dims. The
+    S = 301 keys end on a group of one key in Q.K and P.V."""
+    q, k, v = make_qkv(1, 2 * group, 2, 1, 301, D, dtype=dtype, seed=group + D)
+    assert decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    check_forward_backward(q, k, v, dtype, f"{tier} decode M={group} D={D}", enable_gqa=True,
+                           backward=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("layout", ["BSHD", "BHSD"])
 def test_padded_cache_views(tier, decode_path, layout, dtype):

@@ -10,6 +10,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "generic_ops.h"
 
 namespace flashsdpa {
@@ -57,6 +59,44 @@ inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
   *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
+
+// A 16-element chunk of a K / V row as the decode kernels read it (Chunk16<T>): load() gives two
+// fp32 vectors of the chunk in T's chunk order. bf16 (kPaired): one 256-bit load; the even
+// elements from the 32-bit words' low halves shifted up, the odd ones from their high halves
+// with the low bits cleared, 3 uops for 16 elements where load8 twice takes 6 (2 of them on
+// the shuffle pipe). Other types, and bf16 with kPair false: elements 0-7 and 8-15 (load8x2).
+// The kernels put q in the same order (to_order) and give their sums back in the natural one
+// (add_natural).
+template <class T, bool kPair = std::is_same<T, bf16_t>::value>
+struct Chunk16 {
+  using Elem = T;
+  static constexpr bool kPaired = false;
+  static inline void load(const T* p, __m256* lo, __m256* hi) { load8x2(p, lo, hi); }
+  static inline void add_natural(float* acc, __m256 lo, __m256 hi) {
+    _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), lo));
+    _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_loadu_ps(acc + 8), hi));
+  }
+};
+template <>
+struct Chunk16<bf16_t, true> {
+  using Elem = bf16_t;
+  static constexpr bool kPaired = true;
+  static inline void load(const bf16_t* p, __m256* even, __m256* odd) {
+    const __m256 x = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 16));
+    *odd = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  // x[0 .. 16) -> out: the even elements, then the odd ones
+  static inline void to_order(const float* x, float* out) {
+    for (int i = 0; i < 8; ++i) out[i] = x[2 * i], out[8 + i] = x[2 * i + 1];
+  }
+  static inline void add_natural(float* acc, __m256 even, __m256 odd) {
+    // per 128-bit lane: unpacklo = elements 0-3 | 8-11, unpackhi = 4-7 | 12-15
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    Chunk16<float>::add_natural(acc, _mm256_permute2f128_ps(lo, hi, 0x20),
+                                _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+};
 
 // n < 8 elements, the rest of the vector zero.
 template <class T>
@@ -269,9 +309,9 @@ struct Avx2Ops : GenericOps {
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
-  // One V prefetch per line in light decode: one query row's P V (decode_pv) reads a row's
-  // dims in passes of 64 over the whole block (16 registers), so the later passes read lines a
-  // prefetch of each row's first line leaves to the streamer, which does not follow them there.
+  // One V prefetch per line in light decode too: P V (decode_pv) reads a group of 4 rows at a
+  // time, a 16-dim chunk of each in turn, which the streamer behind a prefetch of each row's
+  // first line does not follow.
   static constexpr int kLightVEvery = 64;
   FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/false)
@@ -343,41 +383,68 @@ struct Avx2Ops : GenericOps {
 
 
   // ---- short-query (decode) kernels ---------------------------------------------------------
-  // s[r][j] = q_r . k_j for four keys x R query rows per pass: 4R accumulators, each key chunk
-  // widened once for all R rows; a hadd tree turns a row's 4 accumulators into 4 dot products.
-  // R = 2 fits AVX2's 16 registers (the AVX-512 trait has its own, on zmm: qk_4keys16).
-  template <class T, int R>
+  // Both read K / V rows in place in groups of 4 keys, the group's rows together 16 dims at a
+  // time, each chunk widened in T's chunk order (Chunk16): the block's rows stream in one
+  // after another, which the hardware prefetchers follow (P V once read one 16-dim column of
+  // the whole block per pass, which they do not).
+
+  // s[i][j .. j + 4) = q_i . k_u for four keys x R query rows (R <= 2): the dims in 16-element
+  // chunks in C's order (q's rows in that order over [0, D & ~15), natural after it), the last
+  // D % 16 in 8-element steps. One row keeps a chunk's two halves in separate accumulators, so
+  // that 8 FMA chains hide the FMA latency with one row as with two; a hadd tree turns each
+  // row's accumulators into its 4 dot products.
+  template <class C, int R, class T = typename C::Elem>
   static inline void qk_4keys(const T* const* k4, int D, const float* q, int ldq, float* s,
                               int lds) {
-    __m256 a[R][4];
-#pragma GCC unroll 4
+    constexpr int H = R == 1 ? 2 : 1;  // accumulators per (row, key)
+    __m256 a[R][4][H];
+#pragma GCC unroll 2
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[i][u] = _mm256_setzero_ps();
-    const T *k0 = k4[0], *k1 = k4[1], *k2 = k4[2], *k3 = k4[3];
-    const auto step = [&](__m256 v0, __m256 v1, __m256 v2, __m256 v3, int d, int t) {
+      for (int u = 0; u < 4; ++u)
+#pragma GCC unroll 2
+        for (int h = 0; h < H; ++h) a[i][u][h] = _mm256_setzero_ps();
+    const int D16 = D & ~15;
+    int d = 0;
+    for (; d < D16; d += 16) {
+      __m256 q0[R], q1[R];
+#pragma GCC unroll 2
+      for (int i = 0; i < R; ++i)
+        q0[i] = _mm256_loadu_ps(q + int64_t(i) * ldq + d),
+        q1[i] = _mm256_loadu_ps(q + int64_t(i) * ldq + d + 8);
 #pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        __m256 x0, x1;
+        C::load(k4[u] + d, &x0, &x1);
+#pragma GCC unroll 2
+        for (int i = 0; i < R; ++i) {
+          a[i][u][0] = _mm256_fmadd_ps(q0[i], x0, a[i][u][0]);
+          a[i][u][H - 1] = _mm256_fmadd_ps(q1[i], x1, a[i][u][H - 1]);
+        }
+      }
+    }
+    for (; d < D; d += 8) {
+      const int t = D - d < 8 ? D - d : 8;
+      __m256 qv[R];
+#pragma GCC unroll 2
       for (int i = 0; i < R; ++i) {
         const float* qi = q + int64_t(i) * ldq + d;
-        const __m256 qv = t == 8 ? _mm256_loadu_ps(qi) : load8_partial(qi, t);
-        a[i][0] = _mm256_fmadd_ps(qv, v0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(qv, v1, a[i][1]);
-        a[i][2] = _mm256_fmadd_ps(qv, v2, a[i][2]);
-        a[i][3] = _mm256_fmadd_ps(qv, v3, a[i][3]);
+        qv[i] = t == 8 ? _mm256_loadu_ps(qi) : load8_partial(qi, t);
       }
-    };
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-      step(load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d), d, 8);
-    if (d < D) {
-      const int t = D - d;
-      step(load8_partial(k0 + d, t), load8_partial(k1 + d, t), load8_partial(k2 + d, t),
-           load8_partial(k3 + d, t), d, t);
-    }
 #pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        const __m256 x = t == 8 ? load8(k4[u] + d) : load8_partial(k4[u] + d, t);
+#pragma GCC unroll 2
+        for (int i = 0; i < R; ++i) a[i][u][0] = _mm256_fmadd_ps(qv[i], x, a[i][u][0]);
+      }
+    }
+#pragma GCC unroll 2
     for (int i = 0; i < R; ++i) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[i][0], a[i][1]),
-                                      _mm256_hadd_ps(a[i][2], a[i][3]));
+      __m256 r[4];
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u)
+        r[u] = H == 2 ? _mm256_add_ps(a[i][u][0], a[i][u][H - 1]) : a[i][u][0];
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
       _mm_storeu_ps(s + int64_t(i) * lds,
                     _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
     }
@@ -422,13 +489,14 @@ struct Avx2Ops : GenericOps {
     return j;
   }
 
-  // Query rows in pairs (see qk_4keys). An e4m3 cache's four keys, where more than one pair of
-  // rows reads them, are widened once (16 at a time) into fp32 rows on the stack, which each
-  // pair then reads: widening costs more than the FMAs it feeds.
+  // decode_qk over q's rows as given, in C's chunk order: query rows in pairs (qk_4keys). An
+  // e4m3 cache's four keys, where more than one pair of rows reads them, are widened once (16
+  // at a time) into fp32 rows on the stack, which each pair then reads: widening costs more
+  // than the FMAs it feeds.
   static constexpr int kWidenMaxD = 256;
-  template <class Rows, class T = typename Rows::Elem>
-  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
-                        float* s, int lds) {
+  template <class C, class Rows, class T = typename Rows::Elem>
+  static void qk_rows(const Rows& k, int nk, int D, const float* q, int ldq, int M, float* s,
+                      int lds) {
     constexpr bool e4m3 = std::is_same<T, e4m3_t>::value;
     alignas(32) float kf[e4m3 ? 4 * kWidenMaxD : 1];
     const bool widen = e4m3 && M > 2 && D <= kWidenMaxD && D % 16 == 0;
@@ -444,104 +512,136 @@ struct Avx2Ops : GenericOps {
                 _mm256_store_ps(kf + u * D + d, lo), _mm256_store_ps(kf + u * D + d + 8, hi);
               }
           const float* kf4[4] = {kf, kf + D, kf + 2 * D, kf + 3 * D};
-          return qk_4keys<float, R>(kf4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j,
-                                    lds);
+          return qk_4keys<Chunk16<float>, R>(kf4, D, q + int64_t(r) * ldq, ldq,
+                                             s + int64_t(r) * lds + j, lds);
         }
       }
-      qk_4keys<T, R>(k4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      qk_4keys<C, R>(k4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
     });
-    if (j < nk) GenericOps::decode_qk(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
-  }
-
-  // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM).
-  // One row: 64 output dims in 8 registers while the keys stream past. Several rows (GQA folded
-  // into rows, or q_len > 1): up to 6 rows x 16 dims in 12 registers, so each V chunk is
-  // loaded and widened once for all of them.
-  // With `prefetch`, the loop also prefetches (pf) the lines of each row this 16-dim chunk
-  // covers: over all chunks, the next block's rows, spread across the compute and a full block
-  // ahead (a chunk pass takes only a few cycles per key, so a distance counted in keys of one
-  // pass would not hide DRAM latency).
-  template <class Rows, int R, class T = typename Rows::Elem>
-  static inline void pv_rows16(const Rows& v, int nk, const float* p, int ldp,
-                               float* acc, int ldacc, int d0, bool prefetch) {
-    __m256 c00 = _mm256_loadu_ps(acc + d0), c01 = _mm256_loadu_ps(acc + d0 + 8);
-    __m256 c10 = c00, c11 = c01, c20 = c00, c21 = c01, c30 = c00, c31 = c01, c40 = c00,
-           c41 = c01, c50 = c00, c51 = c01;
-#define FLASHSDPA_LD(i)                                                           \
-  if (R > i) {                                                                   \
-    c##i##0 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0);                    \
-    c##i##1 = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d0 + 8);                \
-  }
-    FLASHSDPA_LD(1) FLASHSDPA_LD(2) FLASHSDPA_LD(3) FLASHSDPA_LD(4) FLASHSDPA_LD(5)
-#undef FLASHSDPA_LD
-    prefetch = prefetch && prefetches_at(v, d0);
-    auto c = v.cursor();
-    for (int j = 0; j < nk; ++j, c.next()) {
-      const T* vj = c.row() + d0;
-      if (prefetch) prefetch_key(c, v.every, d0 * int64_t(sizeof(T)), 16 * int(sizeof(T)));
-      __m256 v0, v1;
-      load8x2(vj, &v0, &v1);
-#define FLASHSDPA_ROW(i)                                                          \
-  if (R > i) {                                                                   \
-    const __m256 pj = _mm256_broadcast_ss(p + int64_t(i) * ldp + j);            \
-    c##i##0 = _mm256_fmadd_ps(pj, v0, c##i##0);                                  \
-    c##i##1 = _mm256_fmadd_ps(pj, v1, c##i##1);                                  \
-  }
-      FLASHSDPA_ROW(0) FLASHSDPA_ROW(1) FLASHSDPA_ROW(2)
-      FLASHSDPA_ROW(3) FLASHSDPA_ROW(4) FLASHSDPA_ROW(5)
-#undef FLASHSDPA_ROW
+    if (j == nk) return;
+    // the last keys, fewer than 4: the group filled up with the last one, the extra sums dropped
+    // (q is in C's order, which only C's kernel reads)
+    const T* k4[4];
+    for (int u = 0; u < 4; ++u) k4[u] = k.row(j + u < nk ? j + u : nk - 1);
+    for (int r = 0; r < M; r += 2) {
+      float t[2 * 4];
+      with_rows<2>(M - r < 2 ? M - r : 2, [&](auto rows) {
+        qk_4keys<C, decltype(rows)::value>(k4, D, q + int64_t(r) * ldq, ldq, t, 4);
+      });
+      for (int i = 0; i < 2 && r + i < M; ++i)
+        for (int u = 0; j + u < nk; ++u) s[int64_t(r + i) * lds + j + u] = t[i * 4 + u];
     }
-#define FLASHSDPA_ST(i)                                                           \
-  if (R > i) {                                                                   \
-    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0, c##i##0);                    \
-    _mm256_storeu_ps(acc + int64_t(i) * ldacc + d0 + 8, c##i##1);                \
-  }
-    FLASHSDPA_ST(0) FLASHSDPA_ST(1) FLASHSDPA_ST(2) FLASHSDPA_ST(3) FLASHSDPA_ST(4) FLASHSDPA_ST(5)
-#undef FLASHSDPA_ST
   }
 
+  // s[r][j] = q_r . k_j. Where T has a chunk order of its own (bf16), q's rows are first put in
+  // it, kQOrderFloats at a time (more rows than fit read the block's K again, from the cache,
+  // without prefetching it again).
+  static constexpr int kQOrderFloats = 2048;
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    using C = Chunk16<T>;
+    if constexpr (C::kPaired) {
+      if (D <= kQOrderFloats) {
+        alignas(32) float qo[kQOrderFloats];
+        const int D16 = D & ~15, per = kQOrderFloats / D;
+        for (int r0 = 0; r0 < M; r0 += per) {
+          const int n = M - r0 < per ? M - r0 : per;
+          for (int r = 0; r < n; ++r) {
+            const float* qr = q + int64_t(r0 + r) * ldq;
+            float* o = qo + r * D;
+            for (int d = 0; d < D16; d += 16) C::to_order(qr + d, o + d);
+            for (int d = D16; d < D; ++d) o[d] = qr[d];
+          }
+          qk_rows<C>(r0 == 0 ? k : k.no_prefetch(), nk, D, qo, D, n, s + int64_t(r0) * lds,
+                     lds);
+        }
+        return;
+      }
+    }
+    qk_rows<Chunk16<T, false>>(k, nk, D, q, ldq, M, s, lds);
+  }
+
+  // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R <= 6 rows and G keys,
+  // a 16-dim chunk at a time: 2R accumulators, each V chunk loaded and widened once for every
+  // row. One row broadcasts its G weights once, for all the chunks.
+  template <class C, int R, int G, class T>
+  static inline void pv_keys(const T* const* vg, int D16, const float* p, int ldp, float* acc,
+                             int ldacc) {
+    __m256 pb[G];
+    if constexpr (R == 1)
+#pragma GCC unroll 4
+      for (int u = 0; u < G; ++u) pb[u] = _mm256_broadcast_ss(p + u);
+    for (int d = 0; d < D16; d += 16) {
+      __m256 a[R][2];
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i)
+        a[i][0] = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d),
+        a[i][1] = _mm256_loadu_ps(acc + int64_t(i) * ldacc + d + 8);
+#pragma GCC unroll 4
+      for (int u = 0; u < G; ++u) {
+        __m256 x0, x1;
+        C::load(vg[u] + d, &x0, &x1);
+#pragma GCC unroll 6
+        for (int i = 0; i < R; ++i) {
+          const __m256 pj = R == 1 ? pb[u] : _mm256_broadcast_ss(p + int64_t(i) * ldp + u);
+          a[i][0] = _mm256_fmadd_ps(pj, x0, a[i][0]);
+          a[i][1] = _mm256_fmadd_ps(pj, x1, a[i][1]);
+        }
+      }
+#pragma GCC unroll 6
+      for (int i = 0; i < R; ++i)
+        _mm256_storeu_ps(acc + int64_t(i) * ldacc + d, a[i][0]),
+        _mm256_storeu_ps(acc + int64_t(i) * ldacc + d + 8, a[i][1]);
+    }
+  }
+
+  // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM):
+  // keys in fours (pv_keys; each V row's lines prefetched), rows in groups of up to 6. acc's
+  // rows are put in T's chunk order for the call and back (bf16), the last Dv % 16 dims done
+  // after (GenericOps).
   template <class Rows, class T = typename Rows::Elem>
   static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
                         float* acc, int ldacc) {
-    const int d64 = M == 1 ? Dv & ~63 : 0;
-    for (int d0 = 0; d0 < d64; d0 += 64) {  // one row
-      __m256 c0 = _mm256_loadu_ps(acc + d0), c1 = _mm256_loadu_ps(acc + d0 + 8);
-      __m256 c2 = _mm256_loadu_ps(acc + d0 + 16), c3 = _mm256_loadu_ps(acc + d0 + 24);
-      __m256 c4 = _mm256_loadu_ps(acc + d0 + 32), c5 = _mm256_loadu_ps(acc + d0 + 40);
-      __m256 c6 = _mm256_loadu_ps(acc + d0 + 48), c7 = _mm256_loadu_ps(acc + d0 + 56);
-      const bool pf = d0 == 0 && v.prefetches();
-      auto c = v.cursor();
-      for (int j = 0; j < nk; ++j, c.next()) {
+    using C = Chunk16<T>;
+    const int D16 = Dv & ~15;
+    const auto reorder = [&](bool to_chunks) {
+      if constexpr (C::kPaired)
+        for (int r = 0; r < M; ++r)
+          for (int d = 0; d < D16; d += 16) {
+            float* a = acc + int64_t(r) * ldacc + d;
+            alignas(32) float t[16] = {};
+            if (to_chunks)
+              C::to_order(a, t);
+            else
+              C::add_natural(t, _mm256_loadu_ps(a), _mm256_loadu_ps(a + 8));
+            std::memcpy(a, t, sizeof(t));
+          }
+    };
+    reorder(true);
+    const bool pf = v.prefetches();
+    auto c = v.cursor();
+    const auto keys = [&](auto g, int j) {
+      constexpr int G = decltype(g)::value;
+      const T* vg[G];
+      for (int u = 0; u < G; ++u, c.next()) {
+        vg[u] = c.row();
         if (pf) prefetch_key(c, v.every, 0, Dv * int(sizeof(T)));
-        const __m256 pj = _mm256_broadcast_ss(p + j);
-        const T* vj = c.row() + d0;
-        __m256 x[8];
-        for (int u = 0; u < 4; ++u) load8x2(vj + 16 * u, &x[2 * u], &x[2 * u + 1]);
-        c0 = _mm256_fmadd_ps(pj, x[0], c0), c1 = _mm256_fmadd_ps(pj, x[1], c1);
-        c2 = _mm256_fmadd_ps(pj, x[2], c2), c3 = _mm256_fmadd_ps(pj, x[3], c3);
-        c4 = _mm256_fmadd_ps(pj, x[4], c4), c5 = _mm256_fmadd_ps(pj, x[5], c5);
-        c6 = _mm256_fmadd_ps(pj, x[6], c6), c7 = _mm256_fmadd_ps(pj, x[7], c7);
       }
-      _mm256_storeu_ps(acc + d0, c0), _mm256_storeu_ps(acc + d0 + 8, c1);
-      _mm256_storeu_ps(acc + d0 + 16, c2), _mm256_storeu_ps(acc + d0 + 24, c3);
-      _mm256_storeu_ps(acc + d0 + 32, c4), _mm256_storeu_ps(acc + d0 + 40, c5);
-      _mm256_storeu_ps(acc + d0 + 48, c6), _mm256_storeu_ps(acc + d0 + 56, c7);
-    }
-    const int d16 = Dv & ~15;
-    for (int r = 0; r < M; r += 6) {  // rows in groups of 6, 16 dims at a time
-      const int R = M - r < 6 ? M - r : 6;
-      const float* pr = p + int64_t(r) * ldp;
-      float* ar = acc + int64_t(r) * ldacc;
-      const bool first = r == 0;  // the first row group prefetches
-      for (int d0 = d64; d0 < d16; d0 += 16) {
-        with_rows<6>(R, [&](auto rows) {
-          pv_rows16<Rows, decltype(rows)::value>(v, nk, pr, ldp, ar, ldacc, d0, first);
+      for (int r = 0; r < M; r += 6)
+        with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
+          pv_keys<C, decltype(rows)::value, G>(vg, D16, p + int64_t(r) * ldp + j, ldp,
+                                               acc + int64_t(r) * ldacc, ldacc);
         });
-      }
-      if (d16 < Dv)  // the last dims, fewer than 16
-        GenericOps::decode_pv(v.shift(d16), nk, Dv - d16, pr, ldp, R, ar + d16, ldacc);
-    }
+    };
+    int j = 0;
+    for (; j + 4 <= nk; j += 4) keys(std::integral_constant<int, 4>(), j);
+    for (; j < nk; ++j) keys(std::integral_constant<int, 1>(), j);
+    reorder(false);
+    if (D16 < Dv)
+      GenericOps::decode_pv(v.shift(D16), nk, Dv - D16, p, ldp, M, acc + D16, ldacc);
   }
+
 
   // out[c] = x[c] * keep(bh, i, j0 + c) / (1 - p): 32 columns per Philox call on 8 counters.
   // Word k of counter g covers column 4g + k, so a 4 x 8 transpose puts the words in column order.

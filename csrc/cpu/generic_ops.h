@@ -401,6 +401,7 @@ struct StridedRows {
   Cursor cursor(int j = 0) const { return {row(j), ld, pf}; }
   StridedRows from(int j) const { return {row(j), ld, pf, every}; }
   StridedRows shift(int64_t d) const { return {base + d, ld, pf, every}; }
+  StridedRows no_prefetch() const { return {base, ld, 0, every}; }
 };
 template <class T>
 struct TableRows {
@@ -424,6 +425,7 @@ struct TableRows {
   Cursor cursor(int j = 0) const { return {at, pf, off, j}; }
   TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every}; }
   TableRows shift(int64_t d) const { return {at, pf, off + d, every}; }
+  TableRows no_prefetch() const { return {at, nullptr, off, every}; }
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format

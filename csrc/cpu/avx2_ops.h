@@ -489,15 +489,99 @@ struct Avx2Ops : GenericOps {
     return j;
   }
 
-  // decode_qk over q's rows as given, in C's chunk order: query rows in pairs (qk_4keys). An
-  // e4m3 cache's four keys, where more than one pair of rows reads them, are widened once (16
-  // at a time) into fp32 rows on the stack, which each pair then reads: widening costs more
-  // than the FMAs it feeds.
+  // s[i][0 .. 2) = q_i . k0, q_i . k1 for R <= 4 query rows: 2R accumulators, each K chunk
+  // loaded and widened once for the R rows, q read from the cache as the FMAs' operand.
+  template <class C, int R, class T = typename C::Elem>
+  static inline void qk_2keys(const T* k0, const T* k1, int D, const float* q, int ldq, float* s,
+                              int lds) {
+    __m256 a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    const int D16 = D & ~15;
+    int d = 0;
+    for (; d < D16; d += 16) {
+      __m256 x0, x1, y0, y1;
+      C::load(k0 + d, &x0, &x1);
+      C::load(k1 + d, &y0, &y1);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const __m256 qa = _mm256_loadu_ps(q + int64_t(i) * ldq + d);
+        const __m256 qb = _mm256_loadu_ps(q + int64_t(i) * ldq + d + 8);
+        a[i][0] = _mm256_fmadd_ps(qa, x0, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qa, y0, a[i][1]);
+        a[i][0] = _mm256_fmadd_ps(qb, x1, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qb, y1, a[i][1]);
+      }
+    }
+    for (; d < D; d += 8) {
+      const int t = D - d < 8 ? D - d : 8;
+      const __m256 x = t == 8 ? load8(k0 + d) : load8_partial(k0 + d, t);
+      const __m256 y = t == 8 ? load8(k1 + d) : load8_partial(k1 + d, t);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const float* qi = q + int64_t(i) * ldq + d;
+        const __m256 qv = t == 8 ? _mm256_loadu_ps(qi) : load8_partial(qi, t);
+        a[i][0] = _mm256_fmadd_ps(qv, x, a[i][0]);
+        a[i][1] = _mm256_fmadd_ps(qv, y, a[i][1]);
+      }
+    }
+    // hadd trees: per 128-bit lane the partial sums (row 0 k0, row 0 k1, row 1 k0, row 1 k1),
+    // then rows 2 and 3
+    const auto pair_sums = [](const __m256* r0, const __m256* r1) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(r0[0], r0[1]), _mm256_hadd_ps(r1[0], r1[1]));
+      return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    };
+    alignas(16) float r[8];
+    _mm_store_ps(r, pair_sums(a[0], a[1]));
+    _mm_store_ps(r + 4, pair_sums(a[2], a[3]));
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i)
+      s[int64_t(i) * lds] = r[2 * i], s[int64_t(i) * lds + 1] = r[2 * i + 1];
+  }
+
+  // decode_qk over more than two query rows: keys in pairs (each K row's lines prefetched),
+  // rows in groups of up to 4 (qk_2keys); an odd last key paired with itself.
+  template <class C, class Rows, class T = typename Rows::Elem>
+  static void qk_pairs(const Rows& k, int nk, int D, const float* q, int ldq, int M, float* s,
+                       int lds) {
+    const bool pf = k.prefetches();
+    auto c = k.cursor();
+    const auto next_row = [&] {
+      const T* r = c.row();
+      if (pf) prefetch_key(c, k.every, 0, D * int(sizeof(T)));
+      c.next();
+      return r;
+    };
+    for (int j = 0; j < nk; j += 2) {
+      const bool two = j + 1 < nk;
+      const T* k0 = next_row();
+      const T* k1 = two ? next_row() : k0;
+      for (int r = 0; r < M; r += 4) {
+        const int n = M - r < 4 ? M - r : 4;
+        float t[4 * 2];  // an odd last key's sums, the second of each pair dropped
+        float* out = two ? s + int64_t(r) * lds + j : t;
+        with_rows<4>(n, [&](auto rows) {
+          qk_2keys<C, decltype(rows)::value>(k0, k1, D, q + int64_t(r) * ldq, ldq, out,
+                                             two ? lds : 2);
+        });
+        if (!two)
+          for (int i = 0; i < n; ++i) s[int64_t(r + i) * lds + j] = t[2 * i];
+      }
+    }
+  }
+
+  // decode_qk over q's rows as given, in C's chunk order. Up to two rows: four keys at a time,
+  // q's rows in registers (qk_4keys). More: two keys at a time for four rows (qk_pairs), each K
+  // chunk widened once for four rows rather than two, except for an e4m3 cache, whose four
+  // keys, where more than one pair of rows reads them, are widened once (16 at a time) into
+  // fp32 rows on the stack, which each pair of rows then reads: widening costs more than the
+  // FMAs it feeds.
   static constexpr int kWidenMaxD = 256;
   template <class C, class Rows, class T = typename Rows::Elem>
   static void qk_rows(const Rows& k, int nk, int D, const float* q, int ldq, int M, float* s,
                       int lds) {
     constexpr bool e4m3 = std::is_same<T, e4m3_t>::value;
+    if (!e4m3 && M > 2) return qk_pairs<C>(k, nk, D, q, ldq, M, s, lds);
     alignas(32) float kf[e4m3 ? 4 * kWidenMaxD : 1];
     const bool widen = e4m3 && M > 2 && D <= kWidenMaxD && D % 16 == 0;
     const int j = qk_key_groups<2>(k, nk, D, M, [&](auto rows, const T* const* k4, int r, int j) {
@@ -564,14 +648,16 @@ struct Avx2Ops : GenericOps {
 
   // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R <= 6 rows and G keys,
   // a 16-dim chunk at a time: 2R accumulators, each V chunk loaded and widened once for every
-  // row. One row broadcasts its G weights once, for all the chunks.
+  // row. The R x G weights are broadcast once, for all the chunks (those that do not stay in
+  // registers are read from the stack as the FMAs' operand, rather than broadcast again).
   template <class C, int R, int G, class T>
   static inline void pv_keys(const T* const* vg, int D16, const float* p, int ldp, float* acc,
                              int ldacc) {
-    __m256 pb[G];
-    if constexpr (R == 1)
+    __m256 pb[R][G];
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-      for (int u = 0; u < G; ++u) pb[u] = _mm256_broadcast_ss(p + u);
+      for (int u = 0; u < G; ++u) pb[i][u] = _mm256_broadcast_ss(p + int64_t(i) * ldp + u);
     for (int d = 0; d < D16; d += 16) {
       __m256 a[R][2];
 #pragma GCC unroll 6
@@ -584,9 +670,8 @@ struct Avx2Ops : GenericOps {
         C::load(vg[u] + d, &x0, &x1);
 #pragma GCC unroll 6
         for (int i = 0; i < R; ++i) {
-          const __m256 pj = R == 1 ? pb[u] : _mm256_broadcast_ss(p + int64_t(i) * ldp + u);
-          a[i][0] = _mm256_fmadd_ps(pj, x0, a[i][0]);
-          a[i][1] = _mm256_fmadd_ps(pj, x1, a[i][1]);
+          a[i][0] = _mm256_fmadd_ps(pb[i][u], x0, a[i][0]);
+          a[i][1] = _mm256_fmadd_ps(pb[i][u], x1, a[i][1]);
         }
       }
 #pragma GCC unroll 6

@@ -40,6 +40,8 @@ def render(paths, plots=None, base="."):
         title = TITLES.get(meta["mode"], meta["mode"])
         if meta.get("cap_isa"):  # bench_sdpa.py --cap-isa
             title += f", PyTorch and flashsdpa both held to {meta['cap_isa'].upper()}"
+        elif meta.get("torch_cpu_capability") == "AVX2":  # uncapped: a host without AVX-512
+            title += ", on an AVX2-only host"
         parts.append(f"#### {title} (`{os.path.relpath(path)}`, {meta['date']})\n")
         parts.append(RENDER.get(meta["mode"], markdown)(meta, res["rows"]))
         parts.append("")

@@ -83,6 +83,39 @@ def test_bench_output_is_untracked_unless_bench_all():
     assert any("--cap-isa avx2 --tag fwd_avx2 --out-dir bench/results" in r for r in runs)
 
 
+def test_bench_avx2_host_results_rendered(tmp_path):
+    """`make bench-avx2-host` runs the forward and decode suites natively into the tracked
+    *_avx2_host results and renders the README from the same file list as bench-all; such a
+    table is titled as an AVX2-only host's (an uncapped run where PyTorch's CPU capability is
+    AVX2), a capped one as capped."""
+    import shutil
+    if not shutil.which("make"):
+        pytest.skip("no make")
+    dry = subprocess.run(["make", "-n", "-C", ROOT, "bench-avx2-host"], capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "--mode fwd --tag fwd_avx2_host --out-dir bench/results" in dry.stdout
+    assert "--mode decode --tag decode_avx2_host --out-dir bench/results" in dry.stdout
+    rendered = dry.stdout.split("report.py", 1)[1]
+    assert "fwd_avx2_host.json" in rendered and "decode_avx2_host.json" in rendered
+    import report
+    with open(os.path.join(BENCH, "results", "fwd.json")) as f:
+        rows = json.load(f)["rows"][:2]
+    for cap, capability, title in ((None, "AVX2", "on an AVX2-only host"),
+                                   ("avx2", "AVX2", "both held to AVX2"),
+                                   (None, "AVX512", None)):
+        meta = {"mode": "fwd", "date": "d", "cpu": "c", "threads": 1, "torch": "t",
+                "tiers": {"fp32": "avx2"}, "cap_isa": cap, "torch_cpu_capability": capability,
+                "peak": None}
+        path = tmp_path / "r.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows}))
+        heading = report.render([str(path)]).splitlines()[0]
+        if title:
+            assert title in heading, heading
+        else:
+            assert "AVX2" not in heading, heading
+
+
 def test_visible_pairs_matches_a_mask_count():
     import torch
     for L, S in ((7, 7), (5, 9), (9, 5), (1, 4)):

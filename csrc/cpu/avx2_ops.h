@@ -309,7 +309,7 @@ struct Avx2Ops : GenericOps {
   static constexpr int MR = 6;   // 6 x 2 = 12 accumulators
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
-  // One V prefetch per line in light decode too: P V (decode_pv) reads a group of 4 rows at a
+  // One V prefetch per line in light decode too: P V (decode_pv) reads a group of rows at a
   // time, a 16-dim chunk of each in turn, which the streamer behind a prefetch of each row's
   // first line does not follow.
   static constexpr int kLightVEvery = 64;
@@ -383,7 +383,7 @@ struct Avx2Ops : GenericOps {
 
 
   // ---- short-query (decode) kernels ---------------------------------------------------------
-  // Both read K / V rows in place in groups of 4 keys, the group's rows together 16 dims at a
+  // Both read K / V rows in place a few keys at a time, the group's rows together 16 dims at a
   // time, each chunk widened in T's chunk order (Chunk16): the block's rows stream in one
   // after another, which the hardware prefetchers follow (P V once read one 16-dim column of
   // the whole block per pass, which they do not).
@@ -682,7 +682,7 @@ struct Avx2Ops : GenericOps {
   }
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM):
-  // keys in fours (pv_keys; each V row's lines prefetched), rows in groups of up to 6. acc's
+  // keys in groups (pv_keys; each V row's lines prefetched), rows in groups of up to 6. acc's
   // rows are put in T's chunk order for the call and back (bf16), the last Dv % 16 dims done
   // after (GenericOps).
   template <class Rows, class T = typename Rows::Elem>
@@ -719,8 +719,15 @@ struct Avx2Ops : GenericOps {
                                                acc + int64_t(r) * ldacc, ldacc);
         });
     };
+    // One query row does little arithmetic per V row, and its reads follow the hardware
+    // prefetchers better the fewer rows a group interleaves: two keys at a time. More rows
+    // take four (their accumulators' loads and stores and the weights' broadcasts amortised
+    // over more keys).
     int j = 0;
-    for (; j + 4 <= nk; j += 4) keys(std::integral_constant<int, 4>(), j);
+    if (M == 1)
+      for (; j + 2 <= nk; j += 2) keys(std::integral_constant<int, 2>(), j);
+    else
+      for (; j + 4 <= nk; j += 4) keys(std::integral_constant<int, 4>(), j);
     for (; j < nk; ++j) keys(std::integral_constant<int, 1>(), j);
     reorder(false);
     if (D16 < Dv)

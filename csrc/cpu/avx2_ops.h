@@ -602,19 +602,8 @@ struct Avx2Ops : GenericOps {
       }
       qk_4keys<C, R>(k4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
     });
-    if (j == nk) return;
-    // the last keys, fewer than 4: the group filled up with the last one, the extra sums dropped
-    // (q is in C's order, which only C's kernel reads)
-    const T* k4[4];
-    for (int u = 0; u < 4; ++u) k4[u] = k.row(j + u < nk ? j + u : nk - 1);
-    for (int r = 0; r < M; r += 2) {
-      float t[2 * 4];
-      with_rows<2>(M - r < 2 ? M - r : 2, [&](auto rows) {
-        qk_4keys<C, decltype(rows)::value>(k4, D, q + int64_t(r) * ldq, ldq, t, 4);
-      });
-      for (int i = 0; i < 2 && r + i < M; ++i)
-        for (int u = 0; j + u < nk; ++u) s[int64_t(r + i) * lds + j + u] = t[i * 4 + u];
-    }
+    // the last keys, fewer than 4 (q is in C's order, which only C's kernels read)
+    if (j < nk) qk_pairs<C>(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
   // s[r][j] = q_r . k_j. Where T has a chunk order of its own (bf16), q's rows are first put in

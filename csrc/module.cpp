@@ -64,8 +64,10 @@ py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
     d[flashsdpa::cpu::feature_name(Feature(i))] = f.has(Feature(i));
   d["amx_permitted"] = f.amx_permitted;
   d["l2_bytes"] = f.l2_bytes;
+  d["l1d_bytes"] = f.l1d_bytes;
   d["bf16_dot_slow"] = f.bf16_dot_slow;
   d["decode_block_bytes"] = flashsdpa::cpu::decode_block_bytes(f);
+  d["decode_sub_bytes"] = flashsdpa::cpu::decode_sub_bytes(f);
   py::list runnable;
   for (int i = 0; i < int(Isa::kCount); ++i)
     if (f.can_run[i]) runnable.append(flashsdpa::cpu::isa_name(Isa(i)));

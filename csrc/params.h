@@ -157,6 +157,7 @@ struct AttnParams {
   X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
   X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
+  X(decode_sub_blocks)      /* sub-blocks of those read across an item's kv heads (sub_keys) */ \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
@@ -181,6 +182,8 @@ namespace cpu {
 // Split-KV decode: bytes of K rows (and of V rows) per block, decided once from the host's L2
 // (isa.cpp, which tier code cannot include: its tier table redefines the tier macros).
 int64_t decode_block_bytes();
+// ... and per sub-block of an all-heads item, from the host's L1d (isa.cpp)
+int64_t decode_sub_bytes();
 }  // namespace cpu
 
 // Adds n to a path counter when counting is on (tests only; one branch otherwise).

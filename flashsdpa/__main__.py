@@ -55,6 +55,8 @@ def report():
                      f"{'granted' if f['amx_permitted'] else 'not granted yet'}")
         lines.append(f"  L2 per core: {f['l2_bytes'] // 1024 or '?'} KiB -> decode blocks of "
                      f"{f['decode_block_bytes'] // 1024} KiB")
+        lines.append(f"  L1d per core: {f['l1d_bytes'] // 1024 or '?'} KiB -> decode sub-blocks of "
+                     f"{f['decode_sub_bytes'] // 1024} KiB (caches laid out (.., L, Hkv, D))")
         if f["bf16_dot_slow"] and f["avx512_bf16"]:
             lines.append("  vdpbf16ps no faster than fp32 FMAs on this CPU (Intel): bfloat16 runs "
                          "on the avx512 tier unless the cap names avx512_bf16")

@@ -272,6 +272,14 @@ def test_decode_block_bytes_from_l2(l2_kib, block):
     assert f["l2_bytes"] == l2_kib * 1024 and f["decode_block_bytes"] == block * 1024
 
 
+@pytest.mark.parametrize("l1d_kib,sub", [(0, 8), (8, 4), (32, 8), (48, 12), (64, 16)])
+def test_decode_sub_bytes_from_l1d(l1d_kib, sub):
+    """The decode sub-block (caches laid out (.., L, Hkv, D)) is a quarter of the L1d the CPU
+    reports, at least 4 KiB (32 KiB of L1d assumed when it reports none)."""
+    f = _testing.decode_features(dict(SPR, l1d_kib=l1d_kib))
+    assert f["l1d_bytes"] == l1d_kib * 1024 and f["decode_sub_bytes"] == sub * 1024
+
+
 def test_decode_non_x86_is_portable_only():
     assert _testing.decode_features(SPR, is_x86=False)["runnable_tiers"] == ["portable"]
 

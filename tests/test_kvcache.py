@@ -132,7 +132,9 @@ def test_kvcache_any_block_size(block_size):
 def test_kvcache_paged_in_place_is_the_contiguous_computation(tier, block_size, dtype):
     """A long cache read in place page by page, over many decode blocks whose prefetch targets
     lie in other pages (48 keys a page against blocks of 16k keys): bit for bit the contiguous
-    cache's result, on every tier (the runs only change where the rows are read from)."""
+    cache's result, on every tier (the runs only change where the rows are read from). Both
+    read each block a sub-block at a time across the 8 kv heads (several sub-blocks a block;
+    1500 keys: the float8 cache's last block ends in a short one)."""
     g = torch.Generator().manual_seed(3)
     n_keys, hkv, d = 1500, 8, 128
     qdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
@@ -150,11 +152,14 @@ def test_kvcache_paged_in_place_is_the_contiguous_computation(tier, block_size, 
             pool[table[0, i], :rows.shape[0]] = rows
         pools.append(pool)
     seqlens = torch.tensor([n_keys], dtype=torch.int32)
-    want = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **scales)
+    with _testing.counting() as counts:
+        want = flashsdpa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **scales)
+        assert counts()["decode_sub_blocks"] > counts()["decode_blocks"] > 1
     with _testing.counting() as counts:
         got = flashsdpa.flash_attn_with_kvcache(q, *pools, cache_seqlens=seqlens,
                                                 block_table=table, **scales)
         assert counts()["decode_blocks"] > 1 and counts()["decode_gathered_blocks"] == 0
+        assert counts()["decode_sub_blocks"] > counts()["decode_blocks"]
     assert torch.equal(got, want), f"{tier} block_size {block_size}: {(got - want).abs().max()}"
 
 

@@ -64,10 +64,10 @@ inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
 // fp32 vectors of the chunk in T's chunk order. bf16 (kPaired): one 256-bit load; the even
 // elements from the 32-bit words' low halves shifted up, the odd ones from their high halves
 // with the low bits cleared, 3 uops for 16 elements where load8 twice takes 6 (2 of them on
-// the shuffle pipe). Other types, and bf16 with kPair false: elements 0-7 and 8-15 (load8x2).
-// The kernels put q in the same order (to_order) and give their sums back in the natural one
-// (add_natural).
-template <class T, bool kPair = std::is_same<T, bf16_t>::value>
+// the shuffle pipe). Other types: elements 0-7 and 8-15 (load8x2).
+// The decode path keeps q's rows and the accumulators in that order (Avx2Ops::decode_to_order:
+// to_order, and add_natural back).
+template <class T>
 struct Chunk16 {
   using Elem = T;
   static constexpr bool kPaired = false;
@@ -78,7 +78,7 @@ struct Chunk16 {
   }
 };
 template <>
-struct Chunk16<bf16_t, true> {
+struct Chunk16<bf16_t> {
   using Elem = bf16_t;
   static constexpr bool kPaired = true;
   static inline void load(const bf16_t* p, __m256* even, __m256* odd) {
@@ -606,33 +606,34 @@ struct Avx2Ops : GenericOps {
     if (j < nk) qk_pairs<C>(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
   }
 
-  // s[r][j] = q_r . k_j. Where T has a chunk order of its own (bf16), q's rows are first put in
-  // it, kQOrderFloats at a time (more rows than fit read the block's K again, from the cache,
-  // without prefetching it again).
-  static constexpr int kQOrderFloats = 2048;
+  // The dims' order (GenericOps::decode_to_order): KV's chunk order over [0, n & ~15) (Chunk16:
+  // bf16's even elements before its odd ones), natural after.
+  template <class KV>
+  static void decode_to_order(float* x, int n) {
+    using C = Chunk16<KV>;
+    if constexpr (C::kPaired)
+      for (int d = 0; d + 16 <= n; d += 16) {
+        alignas(32) float t[16];
+        C::to_order(x + d, t);
+        std::memcpy(x + d, t, sizeof(t));
+      }
+  }
+  template <class KV>
+  static void decode_to_natural(float* x, int n) {
+    using C = Chunk16<KV>;
+    if constexpr (C::kPaired)
+      for (int d = 0; d + 16 <= n; d += 16) {
+        alignas(32) float t[16] = {};
+        C::add_natural(t, _mm256_loadu_ps(x + d), _mm256_loadu_ps(x + d + 8));
+        std::memcpy(x + d, t, sizeof(t));
+      }
+  }
+
+  // s[r][j] = q_r . k_j, q's rows in the decode order (decode_to_order).
   template <class Rows, class T = typename Rows::Elem>
   static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
                         float* s, int lds) {
-    using C = Chunk16<T>;
-    if constexpr (C::kPaired) {
-      if (D <= kQOrderFloats) {
-        alignas(32) float qo[kQOrderFloats];
-        const int D16 = D & ~15, per = kQOrderFloats / D;
-        for (int r0 = 0; r0 < M; r0 += per) {
-          const int n = M - r0 < per ? M - r0 : per;
-          for (int r = 0; r < n; ++r) {
-            const float* qr = q + int64_t(r0 + r) * ldq;
-            float* o = qo + r * D;
-            for (int d = 0; d < D16; d += 16) C::to_order(qr + d, o + d);
-            for (int d = D16; d < D; ++d) o[d] = qr[d];
-          }
-          qk_rows<C>(r0 == 0 ? k : k.no_prefetch(), nk, D, qo, D, n, s + int64_t(r0) * lds,
-                     lds);
-        }
-        return;
-      }
-    }
-    qk_rows<Chunk16<T, false>>(k, nk, D, q, ldq, M, s, lds);
+    qk_rows<Chunk16<T>>(k, nk, D, q, ldq, M, s, lds);
   }
 
   // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R <= 6 rows and G keys,
@@ -672,27 +673,12 @@ struct Avx2Ops : GenericOps {
 
   // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM):
   // keys in groups (pv_keys; each V row's lines prefetched), rows in groups of up to 6. acc's
-  // rows are put in T's chunk order for the call and back (bf16), the last Dv % 16 dims done
-  // after (GenericOps).
+  // rows in the decode order (decode_to_order), the last Dv % 16 dims done after (GenericOps).
   template <class Rows, class T = typename Rows::Elem>
   static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
                         float* acc, int ldacc) {
     using C = Chunk16<T>;
     const int D16 = Dv & ~15;
-    const auto reorder = [&](bool to_chunks) {
-      if constexpr (C::kPaired)
-        for (int r = 0; r < M; ++r)
-          for (int d = 0; d < D16; d += 16) {
-            float* a = acc + int64_t(r) * ldacc + d;
-            alignas(32) float t[16] = {};
-            if (to_chunks)
-              C::to_order(a, t);
-            else
-              C::add_natural(t, _mm256_loadu_ps(a), _mm256_loadu_ps(a + 8));
-            std::memcpy(a, t, sizeof(t));
-          }
-    };
-    reorder(true);
     const bool pf = v.prefetches();
     auto c = v.cursor();
     const auto keys = [&](auto g, int j) {
@@ -718,7 +704,6 @@ struct Avx2Ops : GenericOps {
     else
       for (; j + 4 <= nk; j += 4) keys(std::integral_constant<int, 4>(), j);
     for (; j < nk; ++j) keys(std::integral_constant<int, 1>(), j);
-    reorder(false);
     if (D16 < Dv)
       GenericOps::decode_pv(v.shift(D16), nk, Dv - D16, p, ldp, M, acc + D16, ldacc);
   }

@@ -205,6 +205,9 @@ struct Avx512Ops : Avx2Ops {
   using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/true)
+  // its decode kernels keep the dims in their natural order (not the AVX2 trait's chunk order)
+  using GenericOps::decode_to_order;
+  using GenericOps::decode_to_natural;
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two

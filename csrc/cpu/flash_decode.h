@@ -43,7 +43,7 @@ struct FlashDecode {
 
   // Caches laid out (.., L, Hkv, D) (flash-attn's, paged or not: the kv heads of a key side by
   // side) are read as whole key rows: one item takes every kv head of its keys, block by block
-  // of keys (so that the heads' passes over a block stay close in memory and time), rather than
+  // of keys and, within a block, a few keys at a time across its heads (sub_keys), rather than
   // one head's slice of every row per item. (.., Hkv, L, D) caches, with each head's keys
   // contiguous, are read one kv head per item.
   static constexpr int64_t kMaxItemHeads = 64;
@@ -57,6 +57,16 @@ struct FlashDecode {
   static int64_t block_keys(const AttnParams& p) {
     const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(KV));
     return min64(kMaxBlock, max64(16, decode_block_bytes() / row / 16 * 16));
+  }
+  // Keys per sub-block: an all-heads item's passes (one per kv head) go over a block a sub-block
+  // at a time, so that the item reads whole rows in order, a few at a time, each sub-block's rows
+  // (of every head) in about decode_sub_bytes() (a share of the core's L1d, isa.cpp); an even
+  // number of keys (the Q.K kernels take keys in pairs), at least 2. One head per item: the
+  // block.
+  static int sub_keys(const AttnParams& p) {
+    if (!all_heads(p)) return int(block_keys(p));
+    const int64_t row = p.Hkv * max64(p.D, p.Dv) * int64_t(sizeof(KV));
+    return int(min64(block_keys(p), max64(2, decode_sub_bytes() / row / 2 * 2)));
   }
   // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
   // grid): a sliding window over a long cache spreads its few blocks over every split.
@@ -247,12 +257,14 @@ struct FlashDecode {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
       O::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
                         q_mul[r / M]);
+      O::template decode_to_order<KV>(L.q + r * L.ldq, int(p.D));
       L.m[r] = kNegInf;  // (a sink joins in run_merge, once per row)
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
     }
     const Visibility vis = Visibility::of(p);
     bool any[kMaxItemHeads];  // per head of the item
+    const int sub = sub_keys(p);
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
       const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
@@ -274,12 +286,15 @@ struct FlashDecode {
       };
       if (gather) count_path(p, &PathCounters::decode_gathered_blocks, 1);
       bool any_head = false;
+      if (sub < nk) count_path(p, &PathCounters::decode_sub_blocks, ceil_div(nk, sub));
       with_rows(ks, p.D, false, L.k_at, L.k_pf, [&](const auto& kr) {
+        for (int j = 0; j < nk; j += sub)
+          for (int e = 0; e < nh; ++e)
+            O::decode_qk(kr.from(j).shift(e * p.k_sh), sub < nk - j ? sub : nk - j, int(p.D),
+                         L.q + e * M * L.ldq, L.ldq, int(M), L.s + e * M * L.lds + j, L.lds);
         for (int e = 0; e < nh; ++e) {
           const int64_t hk = hk0 + e;
           float* s = L.s + e * M * L.lds;
-          O::decode_qk(kr.shift(e * p.k_sh), nk, int(p.D), L.q + e * M * L.ldq, L.ldq, int(M),
-                       s, L.lds);
           any[e] = false;
           for (int64_t r = 0; r < M; ++r) {
             const int64_t h = hk * group + r / p.Lq, i = r % p.Lq, er = e * M + r;
@@ -298,10 +313,12 @@ struct FlashDecode {
       });
       if (!any_head) continue;
       with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
-        for (int e = 0; e < nh; ++e)
-          if (any[e])
-            O::decode_pv(vr.shift(e * p.v_sh), nk, int(p.Dv), L.s + e * M * L.lds, L.lds, int(M),
-                         L.acc + e * M * L.ldacc, L.ldacc);
+        for (int j = 0; j < nk; j += sub)
+          for (int e = 0; e < nh; ++e)
+            if (any[e])
+              O::decode_pv(vr.from(j).shift(e * p.v_sh), sub < nk - j ? sub : nk - j, int(p.Dv),
+                           L.s + e * M * L.lds + j, L.lds, int(M), L.acc + e * M * L.ldacc,
+                           L.ldacc);
       });
     }
     const int64_t ld_part = L.ldacc + 2;
@@ -311,6 +328,7 @@ struct FlashDecode {
       for (int64_t r = 0; r < M; ++r) {
         const int64_t er = e * M + r;
         float* pr = part + r * ld_part;
+        O::template decode_to_natural<KV>(L.acc + er * L.ldacc, int(p.Dv));
         for (int d = 0; d < int(p.Dv); ++d) pr[d] = L.acc[er * L.ldacc + d] * v_mul;
         pr[L.ldacc] = L.m[er];
         pr[L.ldacc + 1] = L.l[er];

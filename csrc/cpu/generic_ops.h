@@ -401,7 +401,6 @@ struct StridedRows {
   Cursor cursor(int j = 0) const { return {row(j), ld, pf}; }
   StridedRows from(int j) const { return {row(j), ld, pf, every}; }
   StridedRows shift(int64_t d) const { return {base + d, ld, pf, every}; }
-  StridedRows no_prefetch() const { return {base, ld, 0, every}; }
 };
 template <class T>
 struct TableRows {
@@ -425,7 +424,6 @@ struct TableRows {
   Cursor cursor(int j = 0) const { return {at, pf, off, j}; }
   TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every}; }
   TableRows shift(int64_t d) const { return {at, pf, off + d, every}; }
-  TableRows no_prefetch() const { return {at, nullptr, off, every}; }
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format
@@ -497,6 +495,14 @@ struct GenericOps {
 
 
   // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
+  // The order of the dims in which the decode kernels over a KV cache take q's rows and keep the
+  // accumulators (FlashDecode puts q in it once per item, and the accumulators back when it
+  // writes its partials): natural here.
+  template <class KV>
+  static void decode_to_order(float*, int) {}
+  template <class KV>
+  static void decode_to_natural(float*, int) {}
+
   // s[r*lds + j] = sum_d q[r*ldq + d] * K[j][d] for r < M, j < nk. (The SIMD traits also
   // prefetch the rows' pf_row; this one leaves it to the hardware.)
   template <class Rows>

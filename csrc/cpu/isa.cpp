@@ -151,6 +151,16 @@ RawCpuid read_cpuid() {
     __cpuid(0x80000006u, a, b, c, d);
     r.l2_kib = c >> 16;
   }
+  if (__get_cpuid_max(0x80000000u, nullptr) >= 0x80000005u) {  // AMD's (Intel's reads 0)
+    __cpuid(0x80000005u, a, b, c, d);
+    r.l1d_kib = c >> 24;
+  }
+  for (unsigned i = 0; r.l1d_kib == 0 && r.max_leaf >= 4 && i < 8; ++i) {  // Intel's
+    __cpuid_count(4, i, a, b, c, d);
+    if ((a & 31) == 0) break;  // no more caches
+    if ((a & 31) == 1 && ((a >> 5) & 7) == 1)  // a data cache, level 1
+      r.l1d_kib = ((b >> 22) + 1) * (((b >> 12) & 0x3ff) + 1) * ((b & 0xfff) + 1) * (c + 1) / 1024;
+  }
 #endif
   return r;
 }
@@ -171,6 +181,7 @@ CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
 #include "tiers.def"
   f.amx_permitted = r.amx_permitted;
   f.l2_bytes = int64_t(r.l2_kib) * 1024;
+  f.l1d_bytes = int64_t(r.l1d_kib) * 1024;
   // Intel cores issue vdpbf16ps at no more than their fp32 FMA rate (bench/peak.py measures
   // it), so widening bf16 to fp32 on the avx512 tier beats the avx512_bf16 tier there; AMD's
   // Zen 4 runs it at twice the FMA rate.
@@ -207,6 +218,21 @@ int64_t decode_block_bytes(const CpuFeatures& f) {
 
 int64_t decode_block_bytes() {
   static const int64_t b = decode_block_bytes(host_features());
+  return b;
+}
+
+// An item over a (.., L, Hkv, D) cache passes over its block head after head, each pass reading
+// the head's slice of every row; sub-blocks of a quarter of L1d (the rows of each head's pass
+// still in L1 when the next head's pass reads the rest of their lines, with room for q, the
+// scores and the accumulators) make the item read whole rows in order, a few at a time. 32 KiB
+// of L1d assumed where the CPU does not say; at least 4 KiB.
+int64_t decode_sub_bytes(const CpuFeatures& f) {
+  const int64_t b = (f.l1d_bytes > 0 ? f.l1d_bytes : int64_t(32) << 10) / 4;
+  return b < (4 << 10) ? (4 << 10) : b;
+}
+
+int64_t decode_sub_bytes() {
+  static const int64_t b = decode_sub_bytes(host_features());
   return b;
 }
 

@@ -42,18 +42,22 @@ struct RawCpuid {
   uint64_t xcr0 = 0;         // valid only when OSXSAVE is set
   bool amx_permitted = false;  // Linux arch_prctl(ARCH_GET_XCOMP_PERM) includes XTILEDATA
   uint32_t l2_kib = 0;         // CPUID.80000006H:ECX[31:16], a core's L2 in KiB (0: not said)
+  // a core's L1 data cache in KiB (0: not said): CPUID.80000005H:ECX[31:24] (AMD), else the
+  // level-1 data cache of leaf 4 (Intel: ways x partitions x line x sets)
+  uint32_t l1d_kib = 0;
 };
 
 // RawCpuid's fields, as a list (module.cpp reports them and reads fake ones).
 #define FLASHSDPA_RAW_CPUID_FIELDS(X) \
   X(max_leaf) X(vendor_ebx) X(leaf1_ecx) X(leaf7_ebx) X(leaf7_ecx) X(leaf7_edx) X(leaf7_1_eax) X(xcr0) X(amx_permitted) \
-  X(l2_kib)
+  X(l2_kib) X(l1d_kib)
 
 struct CpuFeatures {
   bool x86 = false;
   uint32_t bits = 0;  // bit Feature::f: the CPU (or the OS) has f
   bool amx_permitted = false;
   int64_t l2_bytes = 0;  // a core's L2 (0: the CPU does not say)
+  int64_t l1d_bytes = 0;  // a core's L1 data cache (0: the CPU does not say)
   // vdpbf16ps does not outrun fp32 FMAs here, so bf16 runs faster widened to fp32 (isa.cpp)
   bool bf16_dot_slow = false;
   // What the hardware + OS can run, per tier (independent of what is built).
@@ -75,6 +79,9 @@ const CpuFeatures& host_features();  // read once
 // Split-KV decode: bytes of K rows (and of V rows) per block on a CPU with features f (the
 // rule and its reasons: isa.cpp; the host's: params.h's decode_block_bytes()).
 int64_t decode_block_bytes(const CpuFeatures& f);
+// Split-KV decode over a cache laid out (.., L, Hkv, D): bytes of K rows (of every kv head) per
+// sub-block (isa.cpp; the host's: params.h's decode_sub_bytes()).
+int64_t decode_sub_bytes(const CpuFeatures& f);
 std::string cpu_brand();
 
 // The table rows, as data for the report.

@@ -629,6 +629,12 @@ struct Avx2Ops : GenericOps {
       }
   }
 
+  // qk_rows' key groups: pairs (qk_pairs) for more than two rows, fours otherwise
+  template <class KV>
+  static constexpr int decode_key_group(int64_t M) {
+    return !std::is_same<KV, e4m3_t>::value && M > 2 ? 2 : 4;
+  }
+
   // s[r][j] = q_r . k_j, q's rows in the decode order (decode_to_order).
   template <class Rows, class T = typename Rows::Elem>
   static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,

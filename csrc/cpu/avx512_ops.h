@@ -208,6 +208,8 @@ struct Avx512Ops : Avx2Ops {
   // its decode kernels keep the dims in their natural order (not the AVX2 trait's chunk order)
   using GenericOps::decode_to_order;
   using GenericOps::decode_to_natural;
+  template <class KV>
+  static constexpr int decode_key_group(int64_t) { return 4; }  // qk_key_groups<4>, every type
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
   // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two

@@ -60,13 +60,14 @@ struct FlashDecode {
   }
   // Keys per sub-block: an all-heads item's passes (one per kv head) go over a block a sub-block
   // at a time, so that the item reads whole rows in order, a few at a time, each sub-block's rows
-  // (of every head) in about decode_sub_bytes() (a share of the core's L1d, isa.cpp); an even
-  // number of keys (the Q.K kernels take keys in pairs), at least 2. One head per item: the
-  // block.
+  // (of every head) in about decode_sub_bytes() (a share of the core's L1d, isa.cpp); a multiple
+  // of the keys the trait's Q.K takes at a time (decode_key_group), at least one group. One head
+  // per item: the block.
   static int sub_keys(const AttnParams& p) {
     if (!all_heads(p)) return int(block_keys(p));
     const int64_t row = p.Hkv * max64(p.D, p.Dv) * int64_t(sizeof(KV));
-    return int(min64(block_keys(p), max64(2, decode_sub_bytes() / row / 2 * 2)));
+    const int64_t g = Ops::template decode_key_group<KV>(rows(p));
+    return int(min64(block_keys(p), max64(g, decode_sub_bytes() / row / g * g)));
   }
   // The splits cut the keys some row sees, [span_begin, span_end) (span_begin on the block
   // grid): a sliding window over a long cache spreads its few blocks over every split.

@@ -502,6 +502,10 @@ struct GenericOps {
   static void decode_to_order(float*, int) {}
   template <class KV>
   static void decode_to_natural(float*, int) {}
+  // The keys decode_qk takes at a time for M query rows over a KV cache (a call over fewer, or
+  // the last keys of a call, take a slower path): FlashDecode's sub-blocks are multiples of it.
+  template <class KV>
+  static constexpr int decode_key_group(int64_t) { return 1; }
 
   // s[r*lds + j] = sum_d q[r*ldq + d] * K[j][d] for r < M, j < nk. (The SIMD traits also
   // prefetch the rows' pf_row; this one leaves it to the hardware.)

@@ -572,35 +572,15 @@ struct Avx2Ops : GenericOps {
 
   // decode_qk over q's rows as given, in C's chunk order. Up to two rows: four keys at a time,
   // q's rows in registers (qk_4keys). More: two keys at a time for four rows (qk_pairs), each K
-  // chunk widened once for four rows rather than two, except for an e4m3 cache, whose four
-  // keys, where more than one pair of rows reads them, are widened once (16 at a time) into
-  // fp32 rows on the stack, which each pair of rows then reads: widening costs more than the
-  // FMAs it feeds.
-  static constexpr int kWidenMaxD = 256;
+  // chunk widened once for four rows (a float8 cache too: widening its keys once into fp32 rows
+  // on the stack for qk_4keys' pairs of rows ran 10% slower).
   template <class C, class Rows, class T = typename Rows::Elem>
   static void qk_rows(const Rows& k, int nk, int D, const float* q, int ldq, int M, float* s,
                       int lds) {
-    constexpr bool e4m3 = std::is_same<T, e4m3_t>::value;
-    if (!e4m3 && M > 2) return qk_pairs<C>(k, nk, D, q, ldq, M, s, lds);
-    alignas(32) float kf[e4m3 ? 4 * kWidenMaxD : 1];
-    const bool widen = e4m3 && M > 2 && D <= kWidenMaxD && D % 16 == 0;
+    if (M > 2) return qk_pairs<C>(k, nk, D, q, ldq, M, s, lds);
     const int j = qk_key_groups<2>(k, nk, D, M, [&](auto rows, const T* const* k4, int r, int j) {
-      constexpr int R = decltype(rows)::value;
-      if constexpr (e4m3) {
-        if (widen) {
-          if (r == 0)
-            for (int u = 0; u < 4; ++u)
-              for (int d = 0; d < D; d += 16) {
-                __m256 lo, hi;
-                load8x2(k4[u] + d, &lo, &hi);
-                _mm256_store_ps(kf + u * D + d, lo), _mm256_store_ps(kf + u * D + d + 8, hi);
-              }
-          const float* kf4[4] = {kf, kf + D, kf + 2 * D, kf + 3 * D};
-          return qk_4keys<Chunk16<float>, R>(kf4, D, q + int64_t(r) * ldq, ldq,
-                                             s + int64_t(r) * lds + j, lds);
-        }
-      }
-      qk_4keys<C, R>(k4, D, q + int64_t(r) * ldq, ldq, s + int64_t(r) * lds + j, lds);
+      qk_4keys<C, decltype(rows)::value>(k4, D, q + int64_t(r) * ldq, ldq,
+                                         s + int64_t(r) * lds + j, lds);
     });
     // the last keys, fewer than 4 (q is in C's order, which only C's kernels read)
     if (j < nk) qk_pairs<C>(k.from(j), nk - j, D, q, ldq, M, s + j, lds);
@@ -631,9 +611,7 @@ struct Avx2Ops : GenericOps {
 
   // qk_rows' key groups: pairs (qk_pairs) for more than two rows, fours otherwise
   template <class KV>
-  static constexpr int decode_key_group(int64_t M) {
-    return !std::is_same<KV, e4m3_t>::value && M > 2 ? 2 : 4;
-  }
+  static constexpr int decode_key_group(int64_t M) { return M > 2 ? 2 : 4; }
 
   // s[r][j] = q_r . k_j, q's rows in the decode order (decode_to_order).
   template <class Rows, class T = typename Rows::Elem>

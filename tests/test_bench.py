@@ -84,10 +84,10 @@ def test_bench_output_is_untracked_unless_bench_all():
 
 
 def test_bench_avx2_host_results_rendered(tmp_path):
-    """`make bench-avx2-host` runs the forward and decode suites natively into the tracked
-    *_avx2_host results and renders the README from the same file list as bench-all; such a
-    table is titled as an AVX2-only host's (an uncapped run where PyTorch's CPU capability is
-    AVX2), a capped one as capped."""
+    """`make bench-avx2-host` runs the forward, decode and serving suites natively into the
+    tracked *_avx2_host results and renders the README from the same file list as bench-all;
+    such a table is titled as an AVX2-only host's (an uncapped run where PyTorch's CPU
+    capability is AVX2), a capped one as capped."""
     import shutil
     if not shutil.which("make"):
         pytest.skip("no make")
@@ -96,8 +96,9 @@ def test_bench_avx2_host_results_rendered(tmp_path):
     assert dry.returncode == 0, dry.stderr
     assert "--mode fwd --tag fwd_avx2_host --out-dir bench/results" in dry.stdout
     assert "--mode decode --tag decode_avx2_host --out-dir bench/results" in dry.stdout
+    assert "--mode serving --tag serving_avx2_host --out-dir bench/results" in dry.stdout
     rendered = dry.stdout.split("report.py", 1)[1]
-    assert "fwd_avx2_host.json" in rendered and "decode_avx2_host.json" in rendered
+    assert all(f"{m}_avx2_host.json" in rendered for m in ("fwd", "decode", "serving"))
     import report
     with open(os.path.join(BENCH, "results", "fwd.json")) as f:
         rows = json.load(f)["rows"][:2]

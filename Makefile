@@ -107,13 +107,14 @@ bench-all: build
 	$(PY) bench/bench_sdpa.py --mode hf --dtypes fp32,bf16 --out-dir bench/results
 	$(REPORT)
 
-# On a host without AVX-512: the forward, decode and serving suites natively, into
-# bench/results/*_avx2_host.json, which the README's tables then show beside the others (each
-# run of bench-all renders the last ones committed, as for the GPU results).
+# On a host without AVX-512: the forward, decode and serving suites and the avx2 decode paths
+# natively, into bench/results/*_avx2_host.json, which the README's tables then show beside the
+# others (each run of bench-all renders the last ones committed, as for the GPU results).
 bench-avx2-host: build
 	$(PY) bench/bench_sdpa.py --mode fwd --tag fwd_avx2_host --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode decode --tag decode_avx2_host --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode serving --tag serving_avx2_host --out-dir bench/results
+	$(PY) bench/bench_paths.py --paths decode,e4m3_fast --out bench/results/paths_avx2_host.json
 	$(REPORT)
 
 # The README's performance tables from the tracked results (the files present are rendered).
@@ -121,7 +122,8 @@ REPORT = $(PY) bench/report.py --readme README.md --plots bench/results \
 	  bench/results/fwd.json bench/results/fwd_avx2.json \
 	  $$(ls bench/results/fwd_avx2_host.json 2>/dev/null) bench/results/train.json \
 	  bench/results/decode.json $$(ls bench/results/decode_avx2_host.json 2>/dev/null) \
-	  bench/results/paths.json bench/results/variants.json \
+	  bench/results/paths.json $$(ls bench/results/paths_avx2_host.json 2>/dev/null) \
+	  bench/results/variants.json \
 	  bench/results/serving.json $$(ls bench/results/serving_avx2_host.json 2>/dev/null) \
 	  bench/results/hf.json \
 	  $$(ls bench/results/gpu_fwd.json bench/results/gpu_train.json 2>/dev/null)

@@ -34,6 +34,7 @@ PATHS = {
     "fused_rows": ("train", (1, 16, 16, 1024, 64), torch.float32, True),
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
     "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
+    "e4m3_fast": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
 }
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
@@ -46,6 +47,7 @@ WHAT = {
     "fused_rows": "backward: P and dS made per S / dP GEMM tile while it is in L1",
     "decode": "split-KV decode for short queries",
     "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
+    "e4m3_fast": "a float8 cache widened without F16C's conversion (avx2)",
 }
 
 

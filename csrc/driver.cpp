@@ -166,6 +166,7 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
     seg[s].fused_exp = pol.fused_exp;
     seg[s].fused_rows = pol.fused_rows;
     seg[s].fp16_pv = pol.fp16_pv;
+    seg[s].e4m3_fast = pol.e4m3_fast;
     seg[s].counters = path_counters();
   }
 }

@@ -66,6 +66,7 @@ py::dict features_dict(const flashsdpa::cpu::CpuFeatures& f) {
   d["l2_bytes"] = f.l2_bytes;
   d["l1d_bytes"] = f.l1d_bytes;
   d["bf16_dot_slow"] = f.bf16_dot_slow;
+  d["denormal_assists"] = f.denormal_assists;
   d["decode_block_bytes"] = flashsdpa::cpu::decode_block_bytes(f);
   d["decode_sub_bytes"] = flashsdpa::cpu::decode_sub_bytes(f);
   py::list runnable;
@@ -96,6 +97,7 @@ py::list tiers_list() {
       if (built->transposed_s) paths.append("transposed");
       if (built->fused_bwd_rows) paths.append("fused_bwd_rows");
       if (built->fp16_pv) paths.append("fp16_pv");
+      if (built->e4m3_fast) paths.append("e4m3_fast");
     }
     t["paths"] = paths;
     py::list dts;

@@ -140,6 +140,9 @@ struct AttnParams {
   // Decode over a float8_e4m3fn cache with bf16 / fp16 queries: P V in fp16 (the tier's
   // DecodeOpsOf<..>::fp16_pv trait; plan.cpp decides).
   bool fp16_pv;
+  // Decode over a float8_e4m3fn cache: the tier's fast widening (DecodeOpsOf<..>::exact differs
+  // from its type; plan.cpp decides, FlashDecode::fast_item item by item).
+  bool e4m3_fast;
 
   // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
   struct PathCounters* counters;
@@ -158,6 +161,9 @@ struct AttnParams {
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
   X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
   X(decode_sub_blocks)      /* sub-blocks of those read across an item's kv heads (sub_keys) */ \
+  X(decode_e4m3_fast_blocks)  /* of those, over float8 K / V the tier's fast widening read */ \
+  X(decode_e4m3_nan_patched)  /* sub-blocks (K, V) of those whose NaN bytes were set after */ \
+  X(decode_e4m3_exact_items)  /* float8 items its exact one took instead (fast_item) */       \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
@@ -253,6 +259,7 @@ struct CpuTier {
   bool fused_exp, transposed_s;
   bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (not on AMX)
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
+  bool e4m3_fast;  // decode kernels widening float8 without F16C (dims multiples of 16)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
   // until end: dynamic scheduling).

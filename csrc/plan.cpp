@@ -96,6 +96,11 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   // tiers have no such kernel: tier.fp16_pv is false there)
   pol.fp16_pv = pol.decode && p.kv_e4m3 && p.dtype != DType::F32 && tier.fp16_pv &&
                 cpu::host_features().has(cpu::Feature::avx512_fp16) && choose(o.fp16_pv, true);
+  // (the fast widening's kernels have no tails: dims in multiples of 16; it makes e4m3's
+  // subnormals denormals, which cores with denormal assists would take slowly)
+  pol.e4m3_fast = pol.decode && p.kv_e4m3 && tier.e4m3_fast && p.D % 16 == 0 &&
+                  p.Dv % 16 == 0 && !cpu::host_features().denormal_assists &&
+                  choose(o.e4m3_fast, true);
   choose_blocks(p, tier, tier.block_q, o.fwd_bq, o.fwd_bk, &pol);
   pol.whole_q = o.fwd_bq == 0 &&
                 choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);

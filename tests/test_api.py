@@ -134,6 +134,14 @@ def test_bf16_dot_slow_from_the_vendor(vendor, slow):
     assert "avx512_bf16" in f["runnable_tiers"]  # still runnable: only the preference changes
 
 
+@pytest.mark.parametrize("vendor,assists", [(INTEL, True), (AMD, False), (0, False)],
+                         ids=["GenuineIntel", "AuthenticAMD", "unknown"])
+def test_denormal_assists_from_the_vendor(vendor, assists):
+    """Intel cores take microcode assists on denormal operands: the plan keeps the avx2 tier's
+    exact float8 widening there (the fast one makes e4m3's subnormals denormals)."""
+    assert _testing.decode_features(dict(SPR, vendor_ebx=vendor))["denormal_assists"] == assists
+
+
 @pytest.mark.parametrize("vendor", [INTEL, AMD], ids=["GenuineIntel", "AuthenticAMD"])
 def test_decode_calls_on_amx_hosts_follow_the_bf16_dot_rule(vendor):
     """The amx tier's decode kernels are avx512_bf16's (its tiles take no short queries): where

@@ -84,8 +84,8 @@ def test_bench_output_is_untracked_unless_bench_all():
 
 
 def test_bench_avx2_host_results_rendered(tmp_path):
-    """`make bench-avx2-host` runs the forward, decode and serving suites natively into the
-    tracked *_avx2_host results and renders the README from the same file list as bench-all;
+    """`make bench-avx2-host` runs the forward, decode and serving suites and the avx2 tier's
+    decode paths natively into the tracked *_avx2_host results and renders the README from the same file list as bench-all;
     such a table is titled as an AVX2-only host's (an uncapped run where PyTorch's CPU
     capability is AVX2), a capped one as capped."""
     import shutil
@@ -97,8 +97,9 @@ def test_bench_avx2_host_results_rendered(tmp_path):
     assert "--mode fwd --tag fwd_avx2_host --out-dir bench/results" in dry.stdout
     assert "--mode decode --tag decode_avx2_host --out-dir bench/results" in dry.stdout
     assert "--mode serving --tag serving_avx2_host --out-dir bench/results" in dry.stdout
+    assert "--paths decode,e4m3_fast --out bench/results/paths_avx2_host.json" in dry.stdout
     rendered = dry.stdout.split("report.py", 1)[1]
-    assert all(f"{m}_avx2_host.json" in rendered for m in ("fwd", "decode", "serving"))
+    assert all(f"{m}_avx2_host.json" in rendered for m in ("fwd", "decode", "serving", "paths"))
     import report
     with open(os.path.join(BENCH, "results", "fwd.json")) as f:
         rows = json.load(f)["rows"][:2]
@@ -277,11 +278,12 @@ def test_bench_paths_runs_every_path(tmp_path):
     assert [r["path"] for r in rows] == list(bench_paths.PATHS)
     from flashsdpa import _C
     tier_paths = {t["name"]: t["paths"] for t in _C.tiers()}
-    cpu_has = {"fp16_pv": _C.cpu_features()["avx512_fp16"]}  # (paths needing more than the tier)
+    cpu_has = {"fp16_pv": _C.cpu_features()["avx512_fp16"],  # (paths needing more than the tier)
+               "e4m3_fast": not _C.cpu_features()["denormal_assists"]}
     for r in rows:
         field = bench_paths.policy_field(r["path"])
         needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp", "fp16_pv": "fp16_pv",
-                       "fused_rows": "fused_bwd_rows"}.get(field)
+                       "fused_rows": "fused_bwd_rows", "e4m3_fast": "e4m3_fast"}.get(field)
         assert r["plan_takes_it"] == (needs_trait is None or (
             needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True))), r
         assert r["on_ms"] > 0 and r["off_ms"] > 0

@@ -12,6 +12,7 @@ import flashsdpa
 from flashsdpa import _C, _testing
 from conftest import DTYPE_IDS, assert_within_rule
 from test_variants import assert_kernel_ran, reference
+from flashsdpa._isa import cap
 
 B, HQ, HKV, D, DV, LCACHE = 3, 4, 2, 32, 24, 150
 SEQLENS = [37, 0, 101]  # tokens already cached per sequence (the second starts empty)
@@ -338,6 +339,96 @@ def test_kvcache_e4m3_pv_in_fp16(tier, shape, dtype):
         elif tier == "avx512" and _C.cpu_features()["avx512_fp16"]:
             assert ran, "the plan did not take P V in fp16 where it should"
         assert_within_rule(out, base, want, dtype, f"{tier} {shape} fp16_pv={on} (ran: {ran})")
+
+
+FAST_E4M3_CASES = {  # case -> (D, Dv, which path: fast, its NaN patch, the exact items)
+    "fast": (128, 128, "fast"), "d96": (96, 64, "fast"), "nan": (128, 128, "patched"),
+    "dims": (128, 72, "exact"), "large-q": (64, 64, "exact"), "daz": (128, 128, "exact"),
+    "off": (128, 128, "exact")}
+
+
+@pytest.mark.parametrize("case", FAST_E4M3_CASES)
+def test_kvcache_e4m3_fast_widening(case):
+    """The avx2 tier's float8 decode (Avx2E4m3Ops: bytes widened without F16C, exact, to the
+    values x 2^-120, that unit folded into q and P) where it may run, counted per block; the
+    items it may not take on its exact widening, counted: dims not multiples of 16, the path
+    forced off and CPUs with denormal assists (the plan), |q| x 2^120 beyond fp32, MXCSR.DAZ on the thread (its subnormals are
+    denormals; every V byte one here);
+    NaN bytes, which it reads as numbers, set after its kernels where they are (counted). Each
+    against the fp64 reference over the dequantised cache, NaN exactly where it has NaN; the
+    fast widening bit for bit equal to the exact one (the units only move powers of 2)."""
+    if not _C.cpu_features().get("avx2"):
+        pytest.skip("the avx2 tier needs AVX2")
+    D, Dv, path = FAST_E4M3_CASES[case]
+    assists = _C.cpu_features()["denormal_assists"]  # (Intel: the plan keeps the exact one)
+    if assists:
+        path = "exact"
+    g = torch.Generator().manual_seed(11)
+    Hq, Hkv, L, lens = 8, 2, 700, [700, 333]
+    q = torch.randn(2, 1, Hq, D, generator=g)
+    kc, vc = torch.randn(2, L, Hkv, D, generator=g), torch.randn(2, L, Hkv, Dv, generator=g)
+    kc[:, ::5, :, ::3] *= 1e-3  # e4m3 subnormals among the values
+    ks, vs = (c.abs().amax(dim=(0, 1, 3)) / 448 for c in (kc, vc))
+    k8, v8 = quantize(kc, ks), quantize(vc, vs)
+    u8 = torch.uint8
+    if case == "nan":  # a K row of kv head 1 (every score of its rows NaN), a V element (one dim)
+        k8.view(u8)[0, 17, 1, 5] = 0xFF
+        v8.view(u8)[1, 40, 0, 7] = 0x7F
+    if case == "large-q":  # |q| x scale x log2(e) x k_scale x 2^120 past 2^126
+        q = q * 1e5
+    if case == "daz":  # every V byte subnormal: read as 0 under DAZ by the fast widening
+        v8 = (torch.randint(1, 8, v8.shape, generator=g, dtype=u8)
+              | (torch.randint(0, 2, v8.shape, generator=g, dtype=u8) << 7)).view(E4M3)
+    kd, vd = dequantize(k8, ks), dequantize(v8, vs)
+    want, base = [], []
+    for b, n in enumerate(lens):
+        args = (q[b:b + 1].transpose(1, 2), kd[b:b + 1, :n].transpose(1, 2),
+                vd[b:b + 1, :n].transpose(1, 2))
+        want.append(reference(*args, dtype=torch.float64)[0].transpose(1, 2))
+        base.append(reference(*args, dtype=torch.float32)[0].transpose(1, 2))
+    want, base = torch.cat(want), torch.cat(base)
+    threads = torch.get_num_threads()
+    daz = False
+    try:
+        if case == "daz":  # on the calling thread, which runs the items with one thread
+            torch.set_num_threads(1)
+            daz = torch.set_flush_denormal(True)
+            if not daz:
+                pytest.skip("this CPU cannot set DAZ")
+        forced = {"e4m3_fast": 0} if case == "off" else {}
+        with cap("avx2"), _testing.policy(**forced), _testing.counting() as counts:
+            out = flashsdpa.flash_attn_with_kvcache(
+                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32), k_scale=ks,
+                v_scale=vs)
+            c = counts()
+            chosen = _testing.last_policy()
+    finally:
+        if daz:
+            torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    assert chosen["tier"] == "avx2"
+    assert chosen["e4m3_fast"] == (case not in ("dims", "off") and not assists)
+    assert c["decode_blocks"] > 0
+    if path != "exact":
+        with cap("avx2"), _testing.policy(e4m3_fast=0):
+            exact = flashsdpa.flash_attn_with_kvcache(
+                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32), k_scale=ks,
+                v_scale=vs)
+        torch.testing.assert_close(out, exact, atol=0, rtol=0, equal_nan=True)
+    if path == "exact":
+        assert c["decode_e4m3_exact_items"] > 0 and c["decode_e4m3_fast_blocks"] == 0
+    else:
+        assert c["decode_e4m3_fast_blocks"] == c["decode_blocks"]
+        assert c["decode_e4m3_exact_items"] == 0
+        assert (c["decode_e4m3_nan_patched"] > 0) == (path == "patched")
+    nan = want.isnan()  # (the reference's rows with a NaN score are 0, not NaN: set below)
+    if case == "nan":  # kv head 1's rows of sequence 0; dim 7 of kv head 0's rows of sequence 1
+        group = Hq // Hkv
+        assert nan[1, :, :group, 7].all() and nan.sum() == group
+        nan[0, :, group:] = True
+    assert torch.equal(out.isnan(), nan), f"{case}: NaN where PyTorch has none, or not"
+    assert_within_rule(out.masked_fill(nan, 0), base.masked_fill(nan, 0), want.masked_fill(nan, 0),
+                       torch.float32, f"fast e4m3 widening: {case}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_IDS.get)

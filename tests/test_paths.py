@@ -94,6 +94,30 @@ def test_fused_exponentials_count_blocks(tier, transposed, dtype):
     assert_paths_close(outs[1], outs[0])
 
 
+
+@pytest.mark.parametrize("dims", [(64, 64), (64, 40)], ids=["d64", "dv40"])
+@pytest.mark.parametrize("forced", [None, 0], ids=["plan", "off"])
+def test_e4m3_fast_widening(tier, forced, dims):
+    """Decode over a float8 cache: the tier's fast widening where it has one and the plan takes
+    it (dims in multiples of 16, a CPU without denormal assists), counted by the kernels, bit for bit what the exact widening
+    gives (its units only move powers of 2)."""
+    D, Dv = dims
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 8, D, generator=g)
+    k8 = (torch.randn(2, 300, 2, D, generator=g) * 50).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(2, 300, 2, Dv, generator=g) * 50).to(torch.float8_e4m3fn)
+    outs = {}
+    for f in (forced, 0):
+        with _testing.policy(**({} if f is None else {"e4m3_fast": f})), \
+                _testing.counting() as n:
+            outs[f] = flashsdpa.flash_attn_with_kvcache(q, k8, v8, k_scale=0.02, v_scale=0.03)
+            ran, counts = _testing.last_policy()["e4m3_fast"], n()
+            expected = (f is None and "e4m3_fast" in ran_paths() and D % 16 == 0 and Dv % 16 == 0
+                        and not _C.cpu_features()["denormal_assists"])
+        assert counts["decode_blocks"] > 0 and ran == expected
+        assert (counts["decode_e4m3_fast_blocks"] > 0) == expected
+    torch.testing.assert_close(outs[forced], outs[0], atol=0, rtol=0)
+
 # name -> (Lq, Lk, flash_attn_func keywords): blocks a band's edge crosses, several kv blocks
 # of whole panels (D = 32: bk = 256), ragged q blocks
 BAND_CASES = {

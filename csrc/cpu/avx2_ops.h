@@ -66,11 +66,13 @@ inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
 // with the low bits cleared, 3 uops for 16 elements where load8 twice takes 6 (2 of them on
 // the shuffle pipe). Other types: elements 0-7 and 8-15 (load8x2).
 // The decode path keeps q's rows and the accumulators in that order (Avx2Ops::decode_to_order:
-// to_order, and add_natural back).
+// to_order, and add_natural back). kPScale: what P V multiplies its weights by (pv_keys), the
+// unit a chunk's widening leaves out of V where it is not folded into the scales.
 template <class T>
 struct Chunk16 {
   using Elem = T;
   static constexpr bool kPaired = false;
+  static constexpr float kPScale = 1.0f;
   static inline void load(const T* p, __m256* lo, __m256* hi) { load8x2(p, lo, hi); }
   static inline void add_natural(float* acc, __m256 lo, __m256 hi) {
     _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), lo));
@@ -81,6 +83,7 @@ template <>
 struct Chunk16<bf16_t> {
   using Elem = bf16_t;
   static constexpr bool kPaired = true;
+  static constexpr float kPScale = 1.0f;
   static inline void load(const bf16_t* p, __m256* even, __m256* odd) {
     const __m256 x = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 16));
@@ -95,6 +98,27 @@ struct Chunk16<bf16_t> {
     const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
     Chunk16<float>::add_natural(acc, _mm256_permute2f128_ps(lo, hi, 0x20),
                                 _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+};
+
+// float8_e4m3fn without F16C's conversion, for Avx2E4m3Ops's decode kernels: 8 bytes -> the
+// values x 2^-120 (exact). Each byte sign-extended to 32 bits and shifted up 20 puts its sign in
+// bit 31 (copies in 27-30, which the AND clears) and its 7 bits of magnitude in an fp32's low 4
+// exponent and top 3 mantissa bits: 4 uops for 8 values, where the fp16 path (load8x2) takes
+// 13 for 16 and a slower conversion. e4m3's subnormals become fp32 denormals, which FMAs take
+// at full speed on AMD cores but a multiply (restoring the unit here) does not: the 2^120 goes
+// into q (K) and into P's weights (V, kPScale) instead. What it reads differently from
+// PyTorch: the NaN bytes (0x7F, 0xFF), as +-1.875 x 2^-112, and under MXCSR.DAZ the
+// subnormals, as 0 (the decode flow: FlashDecode::patch_nan, ::fast_item).
+inline __m256 e4m3_widen8_bits(const e4m3_t* p) {
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int(0x87F00000u))));
+}
+struct E4m3Chunk16 : Chunk16<e4m3_t> {
+  static constexpr float kPScale = 0x1p120f;
+  static inline void load(const e4m3_t* p, __m256* lo, __m256* hi) {
+    *lo = e4m3_widen8_bits(p), *hi = e4m3_widen8_bits(p + 8);
   }
 };
 
@@ -619,6 +643,11 @@ struct Avx2Ops : GenericOps {
                         float* s, int lds) {
     qk_rows<Chunk16<T>>(k, nk, D, q, ldq, M, s, lds);
   }
+  template <class Rows, class T = typename Rows::Elem>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    pv_rows<Chunk16<T>>(v, nk, Dv, p, ldp, M, acc, ldacc);
+  }
 
   // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R <= 6 rows and G keys,
   // a 16-dim chunk at a time: 2R accumulators, each V chunk loaded and widened once for every
@@ -631,7 +660,11 @@ struct Avx2Ops : GenericOps {
 #pragma GCC unroll 6
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-      for (int u = 0; u < G; ++u) pb[i][u] = _mm256_broadcast_ss(p + int64_t(i) * ldp + u);
+      for (int u = 0; u < G; ++u) {
+        pb[i][u] = _mm256_broadcast_ss(p + int64_t(i) * ldp + u);
+        if constexpr (C::kPScale != 1.0f)
+          pb[i][u] = _mm256_mul_ps(pb[i][u], _mm256_set1_ps(C::kPScale));
+      }
     for (int d = 0; d < D16; d += 16) {
       __m256 a[R][2];
 #pragma GCC unroll 6
@@ -655,13 +688,13 @@ struct Avx2Ops : GenericOps {
     }
   }
 
-  // acc[r] += sum_j p[r][j] v_j, V widened in registers (bf16 / fp16 never take a slow GEMM):
-  // keys in groups (pv_keys; each V row's lines prefetched), rows in groups of up to 6. acc's
-  // rows in the decode order (decode_to_order), the last Dv % 16 dims done after (GenericOps).
-  template <class Rows, class T = typename Rows::Elem>
-  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
-                        float* acc, int ldacc) {
-    using C = Chunk16<T>;
+  // decode_pv: acc[r] += sum_j p[r][j] v_j, V widened in registers by C (bf16 / fp16 never
+  // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in groups
+  // of up to 6. acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
+  // after (GenericOps).
+  template <class C, class Rows, class T = typename Rows::Elem>
+  static void pv_rows(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                      float* acc, int ldacc) {
     const int D16 = Dv & ~15;
     const bool pf = v.prefetches();
     auto c = v.cursor();
@@ -738,6 +771,53 @@ struct Avx2Ops : GenericOps {
 
 
 
+};
+
+// The decode trait over float8_e4m3fn K / V: Avx2Ops with the bytes widened by E4m3Chunk16, so
+// its units are 2^120 for K (in q) and 1 for V (P's weights carry the 2^120). For dims in
+// multiples of 16 (no tails, which Avx2Ops's widening would read: plan.cpp) and items that
+// FlashDecode::fast_item allows (the others go to Avx2Ops): MXCSR.DAZ clear on the thread
+// running the item (the subnormals, denormals here, would read as 0).
+struct Avx2E4m3Ops : Avx2Ops {
+  FLASHSDPA_TRAIT_CAPS(Avx2E4m3Ops, /*scale_in_a=*/true, /*prep_a=*/false,
+                       /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/false)
+  static constexpr float kE4m3UnitK = 0x1p120f, kE4m3UnitV = 1.0f;
+  static bool denormals_kept() { return (_mm_getcsr() & 0x40) == 0; }  // DAZ: bit 6
+  // Whether bytes [0, n) hold a NaN byte (0x7F, 0xFF): 64 a step, the largest of the signed
+  // bytes (0x7F) and of the unsigned ones (0xFF).
+  static bool nan_bytes(const uint8_t* b, int64_t n) {
+    __m256i hi = _mm256_setzero_si256(), lo = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i));
+      const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i + 32));
+      hi = _mm256_max_epi8(hi, _mm256_max_epi8(x, y));
+      lo = _mm256_max_epu8(lo, _mm256_max_epu8(x, y));
+    }
+    const __m256i nan = _mm256_or_si256(_mm256_cmpeq_epi8(hi, _mm256_set1_epi8(0x7F)),
+                                        _mm256_cmpeq_epi8(lo, _mm256_set1_epi8(char(0xFF))));
+    bool any = !_mm256_testz_si256(nan, nan);
+    for (; i < n; ++i) any |= (b[i] & 0x7F) == 0x7F;
+    return any;
+  }
+  template <class Rows>
+  static void decode_qk(const Rows& k, int nk, int D, const float* q, int ldq, int M,
+                        float* s, int lds) {
+    qk_rows<E4m3Chunk16>(k, nk, D, q, ldq, M, s, lds);
+  }
+  template <class Rows>
+  static void decode_pv(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
+                        float* acc, int ldacc) {
+    pv_rows<E4m3Chunk16>(v, nk, Dv, p, ldp, M, acc, ldacc);
+  }
+};
+
+template <class KV>
+struct DecodeOpsOf<Avx2Ops, KV> {
+  using type =
+      typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx2E4m3Ops, Avx2Ops>::type;
+  using fp16_pv = type;
+  using exact = Avx2Ops;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

@@ -579,6 +579,7 @@ struct DecodeOpsOf<Avx512Ops, KV> {
   using type = Avx512Ops;
   using fp16_pv = typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Fp16PvOps,
                                             Avx512Ops>::type;
+  using exact = type;
 };
 #endif
 

@@ -722,6 +722,7 @@ struct DecodeOpsOf<Avx512Bf16Ops, KV> {
   using type = typename std::conditional<std::is_same<KV, e4m3_t>::value, Avx512Bf16E4m3Ops,
                                          Avx512Bf16DecodeOps>::type;
   using fp16_pv = type;
+  using exact = type;
 };
 
 }  // namespace FLASHSDPA_TIER_NS

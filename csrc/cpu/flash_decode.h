@@ -13,12 +13,14 @@
 //     so that the kernels cross its pages without leaving their loops),
 //     bf16 / fp16 / float8_e4m3fn widened in registers by the trait's decode_qk / decode_pv
 //     (float8 V, where the plan says so, in fp16: the fp16_pv trait of DecodeOpsOf).
-//     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times kE4m3Unit,
-//     what its widening leaves out) go where the softmax scale goes for K (the query rows, or
-//     the scores of traits that keep Q unscaled) and into the partials for V, all linear, so
-//     the kernels never see them.
+//     K / V of storage type KV (q and out stay T): an e4m3 cache's scales (times the trait's
+//     kE4m3UnitK / kE4m3UnitV, what its widening leaves out) go where the softmax scale goes
+//     for K (the query rows, or the scores of traits that keep Q unscaled) and into the
+//     partials for V, all linear, so the kernels never see them.
 // Splits depend on the shape only, so results do not depend on the thread count.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "flash_common.h"
@@ -31,6 +33,11 @@ template <class TierOps, class T, class KV = T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps, KV>::type;
   using Fp16PvOps = typename DecodeOpsOf<TierOps, KV>::fp16_pv;  // where p.fp16_pv
+  // Where Ops's float8 widening reads NaN bytes as numbers (kScan): items fast_item refuses go
+  // to ExactOps; the others' blocks are scanned after the kernels, and what NaN bytes give is
+  // set then (patch_nan).
+  using ExactOps = typename DecodeOpsOf<TierOps, KV>::exact;
+  static constexpr bool kScan = !std::is_same<ExactOps, Ops>::value;
   static constexpr int kMaxBlock = 1024 / int(sizeof(KV));  // keys per block, at most
   static constexpr int64_t kMinSplit = 256;  // keys per split, at least
   static constexpr int64_t kMaxSplits = 32;
@@ -219,11 +226,13 @@ struct FlashDecode {
     }
   }
 
-  // The factor an e4m3 cache's widened K (or V) values of kv head hk need: its scale times
-  // kE4m3Unit; 1 for the other types.
-  static float kv_factor(const float* scale, int64_t sh, int64_t hk) {
-    if constexpr (std::is_same<KV, e4m3_t>::value) return scale[hk * sh] * kE4m3Unit;
-    (void)scale, (void)sh, (void)hk;
+  // The factor an e4m3 cache's K (v: V) values of kv head hk need as trait O widens them: its
+  // scale times O's unit; 1 for the other types.
+  template <class O>
+  static float kv_factor(const float* scale, int64_t sh, int64_t hk, bool v) {
+    if constexpr (std::is_same<KV, e4m3_t>::value)
+      return scale[hk * sh] * (v ? O::kE4m3UnitV : O::kE4m3UnitK);
+    (void)scale, (void)sh, (void)hk, (void)v;
     return 1.0f;
   }
 
@@ -231,6 +240,51 @@ struct FlashDecode {
     if constexpr (!std::is_same<Fp16PvOps, Ops>::value)
       if (p.fp16_pv) return split<Fp16PvOps>(p, item, scratch);
     split<Ops>(p, item, scratch);
+  }
+
+  // kScan: whether Ops may take an item (of a call whose plan takes it: p.e4m3_fast) whose
+  // query rows, scaled for it, are q[0, n): denormals kept on this thread (Ops::denormals_kept:
+  // its widening makes e4m3's subnormals denormals), and no |q| above 2^126 (its K unit puts
+  // 2^120 there).
+  static bool fast_item(const float* q, int64_t n) {
+    if (!Ops::denormals_kept()) return false;
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(q[i]));
+    return m <= 0x1p126f;  // (inf: false; NaN, skipped by max, gives NaN either way)
+  }
+
+  // kScan: whether keys [0, n) of rows r (every head of the item: `bytes` from each row's
+  // start) hold a NaN byte (0x7F, 0xFF; Ops::nan_bytes), after the kernels read them (in
+  // cache). Rows that follow one another in memory are scanned as one run.
+  template <class R>
+  static bool nan_bytes(const R& r, int n, int64_t bytes) {
+    bool any = false;
+    auto c = r.cursor();
+    const uint8_t* run = nullptr;
+    int64_t len = 0;
+    for (int u = 0; u < n; ++u, c.next()) {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(c.row());
+      if (b != run + len) {
+        any |= len > 0 && Ops::nan_bytes(run, len);
+        run = b, len = 0;
+      }
+      len += bytes;
+    }
+    return any || (len > 0 && Ops::nan_bytes(run, len));
+  }
+  // ... and where a row of one head's (width elements) holds one, what the exact widening
+  // gives: K (v false), that key's score NaN in each of the M rows of out (ld apart); V, NaN in
+  // that dim of each row's sums.
+  template <class R>
+  static void patch_nan(const R& rows, int n, int64_t width, bool v, float* out, int ld,
+                        int64_t M) {
+    auto c = rows.cursor();
+    for (int u = 0; u < n; ++u, c.next()) {
+      const uint8_t* b = reinterpret_cast<const uint8_t*>(c.row());
+      for (int64_t d = 0; d < width; ++d)
+        if ((b[d] & 0x7F) == 0x7F)
+          for (int64_t r = 0; r < M; ++r) out[r * ld + (v ? d : u)] = kNaN;
+    }
   }
 
   // Row r of the folded block of kv head hk: query head h = hk * group + r / Lq, query row
@@ -250,7 +304,7 @@ struct FlashDecode {
     // or applied to the scores by traits that keep Q unscaled.
     float q_mul[kMaxItemHeads], s_mul[kMaxItemHeads];
     for (int e = 0; e < nh; ++e) {
-      const float mul = p.scale * kLog2e * kv_factor(p.k_scale, p.k_scale_sh, hk0 + e);
+      const float mul = p.scale * kLog2e * kv_factor<O>(p.k_scale, p.k_scale_sh, hk0 + e, false);
       q_mul[e] = caps<O>().scale_in_a ? mul : 1.0f;
       s_mul[e] = caps<O>().scale_in_a ? 1.0f : mul;
     }
@@ -263,13 +317,21 @@ struct FlashDecode {
       L.l[r] = 0.0f;
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
     }
+    constexpr bool scan = kScan && std::is_same<O, Ops>::value;
+    if constexpr (scan)
+      if (!p.e4m3_fast || !fast_item(L.q, nh * M * L.ldq)) {
+        count_path(p, &PathCounters::decode_e4m3_exact_items, 1);
+        return split<ExactOps>(p, item, scratch);
+      }
     const Visibility vis = Visibility::of(p);
     bool any[kMaxItemHeads];  // per head of the item
     const int sub = sub_keys(p);
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
       const int nk = int(min64(nb, j_end - j0));
       count_path(p, &PathCounters::decode_blocks, 1);
-      if (!std::is_same<O, Ops>::value) count_path(p, &PathCounters::decode_fp16_pv_blocks, 1);
+      if constexpr (scan) count_path(p, &PathCounters::decode_e4m3_fast_blocks, 1);
+      if (std::is_same<O, Fp16PvOps>::value && !std::is_same<O, Ops>::value)
+        count_path(p, &PathCounters::decode_fp16_pv_blocks, 1);
       // The block's rows of kv head hk0 (head hk0 + e: shifted by e * sh) to f, in the form
       // the cache takes: equally spaced (contiguous; gathered pages) or a table (paged).
       const auto with_rows = [&](const Side& side, int64_t width, bool v, const KV** at,
@@ -289,10 +351,19 @@ struct FlashDecode {
       bool any_head = false;
       if (sub < nk) count_path(p, &PathCounters::decode_sub_blocks, ceil_div(nk, sub));
       with_rows(ks, p.D, false, L.k_at, L.k_pf, [&](const auto& kr) {
-        for (int j = 0; j < nk; j += sub)
+        for (int j = 0; j < nk; j += sub) {
+          const int n = sub < nk - j ? sub : nk - j;
           for (int e = 0; e < nh; ++e)
-            O::decode_qk(kr.from(j).shift(e * p.k_sh), sub < nk - j ? sub : nk - j, int(p.D),
-                         L.q + e * M * L.ldq, L.ldq, int(M), L.s + e * M * L.lds + j, L.lds);
+            O::decode_qk(kr.from(j).shift(e * p.k_sh), n, int(p.D), L.q + e * M * L.ldq, L.ldq,
+                         int(M), L.s + e * M * L.lds + j, L.lds);
+          if constexpr (scan)
+            if (nan_bytes(kr.from(j), n, span(p, p.k_sh, p.D))) {
+              count_path(p, &PathCounters::decode_e4m3_nan_patched, 1);
+              for (int e = 0; e < nh; ++e)
+                patch_nan(kr.from(j).shift(e * p.k_sh), n, p.D, false,
+                          L.s + e * M * L.lds + j, L.lds, M);
+            }
+        }
         for (int e = 0; e < nh; ++e) {
           const int64_t hk = hk0 + e;
           float* s = L.s + e * M * L.lds;
@@ -314,18 +385,27 @@ struct FlashDecode {
       });
       if (!any_head) continue;
       with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
-        for (int j = 0; j < nk; j += sub)
+        for (int j = 0; j < nk; j += sub) {
+          const int n = sub < nk - j ? sub : nk - j;
           for (int e = 0; e < nh; ++e)
             if (any[e])
-              O::decode_pv(vr.from(j).shift(e * p.v_sh), sub < nk - j ? sub : nk - j, int(p.Dv),
-                           L.s + e * M * L.lds + j, L.lds, int(M), L.acc + e * M * L.ldacc,
-                           L.ldacc);
+              O::decode_pv(vr.from(j).shift(e * p.v_sh), n, int(p.Dv), L.s + e * M * L.lds + j,
+                           L.lds, int(M), L.acc + e * M * L.ldacc, L.ldacc);
+          if constexpr (scan)
+            if (nan_bytes(vr.from(j), n, span(p, p.v_sh, p.Dv))) {
+              count_path(p, &PathCounters::decode_e4m3_nan_patched, 1);
+              for (int e = 0; e < nh; ++e)
+                if (any[e])
+                  patch_nan(vr.from(j).shift(e * p.v_sh), n, p.Dv, true,
+                            L.acc + e * M * L.ldacc, L.ldacc, M);
+            }
+        }
       });
     }
     const int64_t ld_part = L.ldacc + 2;
     for (int e = 0; e < nh; ++e) {  // partial (b, hk, sp), as the merge reads them
       float* part = p.dec_part + ((b * p.Hkv + hk0 + e) * ns + sp) * M * ld_part;
-      const float v_mul = kv_factor(p.v_scale, p.v_scale_sh, hk0 + e);
+      const float v_mul = kv_factor<O>(p.v_scale, p.v_scale_sh, hk0 + e, true);
       for (int64_t r = 0; r < M; ++r) {
         const int64_t er = e * M + r;
         float* pr = part + r * ld_part;

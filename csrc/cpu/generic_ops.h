@@ -427,13 +427,18 @@ struct TableRows {
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format
-// does not suit the short-query kernels specialises this to an fp32 trait): `type`, and
+// does not suit the short-query kernels specialises this to an fp32 trait): `type`;
 // `fp16_pv`, the one running P V over float8 V in fp16 where the plan allows it
-// (KernelPolicy::fp16_pv; `type` again where a tier has no such kernel).
+// (KernelPolicy::fp16_pv; `type` again where a tier has no such kernel); and `exact`, where
+// `type`'s float8 widening reads NaN bytes as numbers (`type` again where not): `type` then
+// has denormals_kept(), whether an item may take it on this thread (FlashDecode::fast_item;
+// `exact` the others), and nan_bytes(bytes, n), with which the decode flow finds the blocks
+// whose NaN bytes it sets after the kernels (FlashDecode::patch_nan).
 template <class Ops, class KV>
 struct DecodeOpsOf {
   using type = Ops;
   using fp16_pv = Ops;
+  using exact = Ops;
 };
 
 struct GenericOps {
@@ -453,6 +458,9 @@ struct GenericOps {
   // lines between (fewer prefetch instructions let the loads run further ahead); one per line
   // where it does not (Avx2Ops). (This trait leaves prefetching to the hardware.)
   static constexpr int kLightVEvery = 256;
+  // A float8 cache's K and V as the decode kernels widen them: the values / these (folded into
+  // the scales: FlashDecode::kv_factor).
+  static constexpr float kE4m3UnitK = kE4m3Unit, kE4m3UnitV = kE4m3Unit;
   using Row = RowOps<VecF4>;  // the row operations and operand formats (row_ops.h)
 
 

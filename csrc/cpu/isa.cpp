@@ -187,6 +187,9 @@ CpuFeatures decode_features(const RawCpuid& r, bool is_x86) {
   // Zen 4 runs it at twice the FMA rate.
   constexpr uint32_t kGenu = 0x756e6547u;  // "Genu"ineIntel
   f.bf16_dot_slow = r.vendor_ebx == kGenu;
+  // Intel cores take a microcode assist for each vector op with a denormal operand; AMD's FMAs
+  // take them at full speed (the avx2 tier's fast float8 widening makes denormals: plan.cpp).
+  f.denormal_assists = r.vendor_ebx == kGenu;
   // A tier needs its own row's features and those of every row above it. (The AMX permission
   // can still be requested at first use, so it does not gate the tier here; the report shows
   // whether it is already granted.)

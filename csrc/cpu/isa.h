@@ -60,6 +60,7 @@ struct CpuFeatures {
   int64_t l1d_bytes = 0;  // a core's L1 data cache (0: the CPU does not say)
   // vdpbf16ps does not outrun fp32 FMAs here, so bf16 runs faster widened to fp32 (isa.cpp)
   bool bf16_dot_slow = false;
+  bool denormal_assists = false;  // vector ops on denormal operands take microcode assists
   // What the hardware + OS can run, per tier (independent of what is built).
   bool can_run[int(Isa::kCount)] = {};
   bool has(Feature f) const { return (bits >> int(f)) & 1u; }

@@ -79,7 +79,8 @@ struct bf16_t { uint16_t x; };
 struct f16_t { uint16_t x; };
 
 // float8_e4m3fn storage (KV caches only: the decode path reads it, nothing writes it). Every
-// widening of it, scalar or vector, yields the stored value x 2^-8 (kE4m3Unit^-1): the byte's
+// widening of it, scalar or vector, yields the stored value x 2^-8 (kE4m3Unit^-1; the one
+// exception, the avx2 tier's E4m3Chunk16, states its own units): the byte's
 // sign, exponent and mantissa become an fp16 (sign << 8 | magnitude << 7), exact for normals
 // and subnormals alike, as the fp16 exponent bias is 8 above e4m3's, and the conversion to fp32
 // is then the fp16 one; the two NaN bytes (magnitude 0x7F) become an fp16 NaN. Callers fold

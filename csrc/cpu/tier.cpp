@@ -38,9 +38,10 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   constexpr auto caps = FLASHSDPA_TIER_NS::caps<Ops>();
   using E4m3 = FLASHSDPA_TIER_NS::DecodeOpsOf<Ops, FLASHSDPA_TIER_NS::e4m3_t>;
   constexpr bool fp16_pv = !std::is_same<E4m3::fp16_pv, E4m3::type>::value;
+  constexpr bool e4m3_fast = !std::is_same<E4m3::exact, E4m3::type>::value;
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
                             Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s,
-                            FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv,
+                            FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv, e4m3_fast,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
                             FLASHSDPA_TIER_NS::exp2_bf16_hook<Ops>(),

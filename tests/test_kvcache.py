@@ -343,6 +343,7 @@ def test_kvcache_e4m3_pv_in_fp16(tier, shape, dtype):
 
 FAST_E4M3_CASES = {  # case -> (D, Dv, which path: fast, its NaN patch, the exact items)
     "fast": (128, 128, "fast"), "d96": (96, 64, "fast"), "nan": (128, 128, "patched"),
+    "paged-nan": (128, 128, "patched"),
     "dims": (128, 72, "exact"), "large-q": (64, 64, "exact"), "daz": (128, 128, "exact"),
     "off": (128, 128, "exact")}
 
@@ -371,7 +372,7 @@ def test_kvcache_e4m3_fast_widening(case):
     ks, vs = (c.abs().amax(dim=(0, 1, 3)) / 448 for c in (kc, vc))
     k8, v8 = quantize(kc, ks), quantize(vc, vs)
     u8 = torch.uint8
-    if case == "nan":  # a K row of kv head 1 (every score of its rows NaN), a V element (one dim)
+    if case.endswith("nan"):  # a K row of kv head 1 (its rows' every score NaN), a V element
         k8.view(u8)[0, 17, 1, 5] = 0xFF
         v8.view(u8)[1, 40, 0, 7] = 0x7F
     if case == "large-q":  # |q| x scale x log2(e) x k_scale x 2^120 past 2^126
@@ -380,6 +381,13 @@ def test_kvcache_e4m3_fast_widening(case):
         v8 = (torch.randint(1, 8, v8.shape, generator=g, dtype=u8)
               | (torch.randint(0, 2, v8.shape, generator=g, dtype=u8) << 7)).view(E4M3)
     kd, vd = dequantize(k8, ks), dequantize(v8, vs)
+    table = None
+    if case.startswith("paged"):  # blocks of 16 keys in a shuffled pool, read through the table
+        order = torch.randperm(2 * 44, generator=g).view(2, 44)
+        pad = lambda c: torch.cat([c, c[:, :4]], 1).view(2 * 44, 16, *c.shape[2:])  # noqa: E731
+        k8, v8 = (torch.empty_like(pad(c).view(torch.uint8)).index_copy_(
+            0, order.flatten(), pad(c).view(torch.uint8)).view(E4M3) for c in (k8, v8))
+        table = order.to(torch.int32)
     want, base = [], []
     for b, n in enumerate(lens):
         args = (q[b:b + 1].transpose(1, 2), kd[b:b + 1, :n].transpose(1, 2),
@@ -398,8 +406,8 @@ def test_kvcache_e4m3_fast_widening(case):
         forced = {"e4m3_fast": 0} if case == "off" else {}
         with cap("avx2"), _testing.policy(**forced), _testing.counting() as counts:
             out = flashsdpa.flash_attn_with_kvcache(
-                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32), k_scale=ks,
-                v_scale=vs)
+                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                block_table=table, k_scale=ks, v_scale=vs)
             c = counts()
             chosen = _testing.last_policy()
     finally:
@@ -412,8 +420,8 @@ def test_kvcache_e4m3_fast_widening(case):
     if path != "exact":
         with cap("avx2"), _testing.policy(e4m3_fast=0):
             exact = flashsdpa.flash_attn_with_kvcache(
-                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32), k_scale=ks,
-                v_scale=vs)
+                q, k8, v8, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                block_table=table, k_scale=ks, v_scale=vs)
         torch.testing.assert_close(out, exact, atol=0, rtol=0, equal_nan=True)
     if path == "exact":
         assert c["decode_e4m3_exact_items"] > 0 and c["decode_e4m3_fast_blocks"] == 0
@@ -422,7 +430,7 @@ def test_kvcache_e4m3_fast_widening(case):
         assert c["decode_e4m3_exact_items"] == 0
         assert (c["decode_e4m3_nan_patched"] > 0) == (path == "patched")
     nan = want.isnan()  # (the reference's rows with a NaN score are 0, not NaN: set below)
-    if case == "nan":  # kv head 1's rows of sequence 0; dim 7 of kv head 0's rows of sequence 1
+    if case.endswith("nan"):  # kv head 1's rows of sequence 0; dim 7 of kv head 0's of sequence 1
         group = Hq // Hkv
         assert nan[1, :, :group, 7].all() and nan.sum() == group
         nan[0, :, group:] = True

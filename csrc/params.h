@@ -141,7 +141,7 @@ struct AttnParams {
   // DecodeOpsOf<..>::fp16_pv trait; plan.cpp decides).
   bool fp16_pv;
   // Decode over a float8_e4m3fn cache: the tier's fast widening (DecodeOpsOf<..>::exact differs
-  // from its type; plan.cpp decides, FlashDecode::fast_item item by item).
+  // from its type; plan.cpp decides, FlashDecode::run_split item by item).
   bool e4m3_fast;
 
   // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
@@ -163,7 +163,7 @@ struct AttnParams {
   X(decode_sub_blocks)      /* sub-blocks of those read across an item's kv heads (sub_keys) */ \
   X(decode_e4m3_fast_blocks)  /* of those, over float8 K / V the tier's fast widening read */ \
   X(decode_e4m3_nan_patched)  /* sub-blocks (K, V) of those whose NaN bytes were set after */ \
-  X(decode_e4m3_exact_items)  /* float8 items its exact one took instead (fast_item) */       \
+  X(decode_e4m3_exact_items)  /* float8 items its exact one took instead (run_split) */      \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \

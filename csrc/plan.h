@@ -18,7 +18,7 @@ struct KernelPolicy {
   bool fused_bwd;   // backward: one pass per (batch, kv head) instead of two sweeps
   bool fused_rows;  // backward: P and dS made per S / dP GEMM tile (flash_bwd.h, fused_rows)
   bool fp16_pv;     // decode over a float8 cache, bf16 / fp16 queries: P V in fp16
-  bool e4m3_fast;   // decode over a float8 cache: the tier's fast widening (its fast_item items)
+  bool e4m3_fast;   // decode over a float8 cache: the tier's fast widening (FlashDecode::run_split)
   int bq, bk;       // the blocks of the call's phases (query rows, keys)
 };
 

@@ -85,7 +85,8 @@ def test_bench_output_is_untracked_unless_bench_all():
 
 def test_bench_avx2_host_results_rendered(tmp_path):
     """`make bench-avx2-host` runs the forward, decode and serving suites and the avx2 tier's
-    decode paths natively into the tracked *_avx2_host results and renders the README from the same file list as bench-all;
+    decode paths natively into the tracked *_avx2_host results and renders the README from the
+    same file list as bench-all;
     such a table is titled as an AVX2-only host's (an uncapped run where PyTorch's CPU
     capability is AVX2), a capped one as capped."""
     import shutil

@@ -109,7 +109,7 @@ struct Chunk16<bf16_t> {
 // at full speed on AMD cores but a multiply (restoring the unit here) does not: the 2^120 goes
 // into q (K) and into P's weights (V, kPScale) instead. What it reads differently from
 // PyTorch: the NaN bytes (0x7F, 0xFF), as +-1.875 x 2^-112, and under MXCSR.DAZ the
-// subnormals, as 0 (the decode flow: FlashDecode::patch_nan, ::fast_item).
+// subnormals, as 0 (the decode flow: FlashDecode::patch_nan, ::run_split).
 inline __m256 e4m3_widen8_bits(const e4m3_t* p) {
   const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(
@@ -776,7 +776,7 @@ struct Avx2Ops : GenericOps {
 // The decode trait over float8_e4m3fn K / V: Avx2Ops with the bytes widened by E4m3Chunk16, so
 // its units are 2^120 for K (in q) and 1 for V (P's weights carry the 2^120). For dims in
 // multiples of 16 (no tails, which Avx2Ops's widening would read: plan.cpp) and items that
-// FlashDecode::fast_item allows (the others go to Avx2Ops): MXCSR.DAZ clear on the thread
+// FlashDecode::run_split allows (the others go to Avx2Ops): MXCSR.DAZ clear on the thread
 // running the item (the subnormals, denormals here, would read as 0).
 struct Avx2E4m3Ops : Avx2Ops {
   FLASHSDPA_TRAIT_CAPS(Avx2E4m3Ops, /*scale_in_a=*/true, /*prep_a=*/false,

@@ -33,7 +33,7 @@ template <class TierOps, class T, class KV = T>
 struct FlashDecode {
   using Ops = typename DecodeOpsOf<TierOps, KV>::type;
   using Fp16PvOps = typename DecodeOpsOf<TierOps, KV>::fp16_pv;  // where p.fp16_pv
-  // Where Ops's float8 widening reads NaN bytes as numbers (kScan): items fast_item refuses go
+  // Where Ops's float8 widening reads NaN bytes as numbers (kScan): items run_split refuses go
   // to ExactOps; the others' blocks are scanned after the kernels, and what NaN bytes give is
   // set then (patch_nan).
   using ExactOps = typename DecodeOpsOf<TierOps, KV>::exact;
@@ -239,15 +239,21 @@ struct FlashDecode {
   static void run_split(const AttnParams& p, int64_t item, float* scratch) {
     if constexpr (!std::is_same<Fp16PvOps, Ops>::value)
       if (p.fp16_pv) return split<Fp16PvOps>(p, item, scratch);
+    // kScan: Ops where the plan takes it (p.e4m3_fast) and this thread keeps denormals
+    // (Ops::denormals_kept: its widening makes e4m3's subnormals denormals); fast_item decides
+    // the rest once the item's q rows are loaded
+    if constexpr (kScan)
+      if (!p.e4m3_fast || !Ops::denormals_kept()) return exact_item(p, item, scratch);
     split<Ops>(p, item, scratch);
   }
+  static void exact_item(const AttnParams& p, int64_t item, float* scratch) {
+    count_path(p, &PathCounters::decode_e4m3_exact_items, 1);
+    split<ExactOps>(p, item, scratch);
+  }
 
-  // kScan: whether Ops may take an item (of a call whose plan takes it: p.e4m3_fast) whose
-  // query rows, scaled for it, are q[0, n): denormals kept on this thread (Ops::denormals_kept:
-  // its widening makes e4m3's subnormals denormals), and no |q| above 2^126 (its K unit puts
-  // 2^120 there).
+  // kScan: whether Ops may take an item whose query rows, scaled for it, are q[0, n): no |q|
+  // above 2^126 (its K unit puts 2^120 there).
   static bool fast_item(const float* q, int64_t n) {
-    if (!Ops::denormals_kept()) return false;
     float m = 0.0f;
     for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(q[i]));
     return m <= 0x1p126f;  // (inf: false; NaN, skipped by max, gives NaN either way)
@@ -272,18 +278,25 @@ struct FlashDecode {
     }
     return any || (len > 0 && Ops::nan_bytes(run, len));
   }
-  // ... and where a row of one head's (width elements) holds one, what the exact widening
-  // gives: K (v false), that key's score NaN in each of the M rows of out (ld apart); V, NaN in
-  // that dim of each row's sums.
+  // kScan, after Ops's kernels over keys [0, n) of a sub-block's rows (head e at e * sh, width
+  // elements each): where they hold a NaN byte (nan_bytes, counted), what the exact widening
+  // gives in the M rows of each head e with heads[e] (null: every head) of out (head e at
+  // e * ld_head, rows ld apart): K (v false), that key's score NaN; V, NaN in that dim.
   template <class R>
-  static void patch_nan(const R& rows, int n, int64_t width, bool v, float* out, int ld,
-                        int64_t M) {
-    auto c = rows.cursor();
-    for (int u = 0; u < n; ++u, c.next()) {
-      const uint8_t* b = reinterpret_cast<const uint8_t*>(c.row());
-      for (int64_t d = 0; d < width; ++d)
-        if ((b[d] & 0x7F) == 0x7F)
-          for (int64_t r = 0; r < M; ++r) out[r * ld + (v ? d : u)] = kNaN;
+  static void patch_nan(const AttnParams& p, const R& rows, int n, int nh, int64_t sh,
+                        int64_t width, bool v, const bool* heads, float* out, int64_t ld_head,
+                        int ld, int64_t M) {
+    if (!nan_bytes(rows, n, span(p, sh, width))) return;
+    count_path(p, &PathCounters::decode_e4m3_nan_patched, 1);
+    for (int e = 0; e < nh; ++e) {
+      if (heads && !heads[e]) continue;
+      auto c = rows.shift(e * sh).cursor();
+      for (int u = 0; u < n; ++u, c.next()) {
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(c.row());
+        for (int64_t d = 0; d < width; ++d)
+          if ((b[d] & 0x7F) == 0x7F)
+            for (int64_t r = 0; r < M; ++r) out[e * ld_head + r * ld + (v ? d : u)] = kNaN;
+      }
     }
   }
 
@@ -319,10 +332,7 @@ struct FlashDecode {
     }
     constexpr bool scan = kScan && std::is_same<O, Ops>::value;
     if constexpr (scan)
-      if (!p.e4m3_fast || !fast_item(L.q, nh * M * L.ldq)) {
-        count_path(p, &PathCounters::decode_e4m3_exact_items, 1);
-        return split<ExactOps>(p, item, scratch);
-      }
+      if (!fast_item(L.q, nh * M * L.ldq)) return exact_item(p, item, scratch);
     const Visibility vis = Visibility::of(p);
     bool any[kMaxItemHeads];  // per head of the item
     const int sub = sub_keys(p);
@@ -357,12 +367,8 @@ struct FlashDecode {
             O::decode_qk(kr.from(j).shift(e * p.k_sh), n, int(p.D), L.q + e * M * L.ldq, L.ldq,
                          int(M), L.s + e * M * L.lds + j, L.lds);
           if constexpr (scan)
-            if (nan_bytes(kr.from(j), n, span(p, p.k_sh, p.D))) {
-              count_path(p, &PathCounters::decode_e4m3_nan_patched, 1);
-              for (int e = 0; e < nh; ++e)
-                patch_nan(kr.from(j).shift(e * p.k_sh), n, p.D, false,
-                          L.s + e * M * L.lds + j, L.lds, M);
-            }
+            patch_nan(p, kr.from(j), n, nh, p.k_sh, p.D, false, nullptr, L.s + j, M * L.lds,
+                      L.lds, M);
         }
         for (int e = 0; e < nh; ++e) {
           const int64_t hk = hk0 + e;
@@ -392,13 +398,8 @@ struct FlashDecode {
               O::decode_pv(vr.from(j).shift(e * p.v_sh), n, int(p.Dv), L.s + e * M * L.lds + j,
                            L.lds, int(M), L.acc + e * M * L.ldacc, L.ldacc);
           if constexpr (scan)
-            if (nan_bytes(vr.from(j), n, span(p, p.v_sh, p.Dv))) {
-              count_path(p, &PathCounters::decode_e4m3_nan_patched, 1);
-              for (int e = 0; e < nh; ++e)
-                if (any[e])
-                  patch_nan(vr.from(j).shift(e * p.v_sh), n, p.Dv, true,
-                            L.acc + e * M * L.ldacc, L.ldacc, M);
-            }
+            patch_nan(p, vr.from(j), n, nh, p.v_sh, p.Dv, true, any, L.acc, M * L.ldacc,
+                      L.ldacc, M);
         }
       });
     }

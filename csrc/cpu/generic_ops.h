@@ -431,7 +431,7 @@ struct TableRows {
 // `fp16_pv`, the one running P V over float8 V in fp16 where the plan allows it
 // (KernelPolicy::fp16_pv; `type` again where a tier has no such kernel); and `exact`, where
 // `type`'s float8 widening reads NaN bytes as numbers (`type` again where not): `type` then
-// has denormals_kept(), whether an item may take it on this thread (FlashDecode::fast_item;
+// has denormals_kept(), whether an item may take it on this thread (FlashDecode::run_split;
 // `exact` the others), and nan_bytes(bytes, n), with which the decode flow finds the blocks
 // whose NaN bytes it sets after the kernels (FlashDecode::patch_nan).
 template <class Ops, class KV>

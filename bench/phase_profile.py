@@ -13,8 +13,19 @@ and the two GEMM steps' rates per thread against this machine's per-thread peak 
 the FMA peak; for the bf16-only tiers, which multiply bf16 pairs, the vdpbf16ps peak). On a first machine with
 a new tier (AMX) this says in one run whether its GEMMs, its softmax or its scheduling lose.
 
+With --decode, the same for split-KV decode (flash_attn_with_kvcache, q (B, 1, Hq, D) over a
+contiguous (B, L, Hkv, D) cache of L keys; flash_decode.h's step clocks):
+    qk       s = q K
+    softmax  q rows loaded, online softmax, the split's partials written
+    pv       acc += P V
+    other    the merge of the splits, scheduling, the call's setup
+and the K + V bytes read per second over the call against the read bandwidth probed here: on
+an AVX2-only host this tells a decode bound by its kernels (qk / pv shares far above what the
+bytes take at the probed rate) from one bound by memory.
+
     python bench/phase_profile.py [--tiers avx512,amx] [--dtypes fp32,bf16]
                                   [--shapes 1x16x1024x64,1x8x2048x128] [--calls 5] [--json F]
+    python bench/phase_profile.py --decode [1x32x8x16384x128,...] [--dtypes bf16,fp8] ...
 """
 import argparse
 import json
@@ -35,7 +46,9 @@ from flashsdpa._isa import cap  # noqa: E402
 from bench_sdpa import visible_pairs  # noqa: E402
 
 STEPS = ("pack", "scores", "softmax", "pv")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DECODE_STEPS = ("qk", "softmax", "pv")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.float8_e4m3fn}
 
 
 def native_tiers():
@@ -76,6 +89,67 @@ def profile(tier, dtype, shape, causal, calls, threads):
     return out
 
 
+def profile_decode(tier, dtype, shape, calls, threads):
+    """One decode case (B, Hq, Hkv, L, D), its median call of `calls`: {"wall_ms",
+    "<step>_share", "other_share" (shares of wall x threads), "read_gbs" (K + V bytes over the
+    call's wall time)}. A float8 cache takes bf16 queries and unit scales."""
+    B, Hq, Hkv, L, D = shape
+    gen = torch.Generator().manual_seed(0)
+    fp8 = dtype == torch.float8_e4m3fn
+    q = torch.randn(B, 1, Hq, D, generator=gen).to(torch.bfloat16 if fp8 else dtype)
+    k, v = (torch.randn(B, L, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    seqlens = torch.full((B,), L, dtype=torch.int32)
+    kw = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
+    run = lambda: flashsdpa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kw)  # noqa: E731
+    with cap(tier):
+        run()
+        calls_ns = []
+        for _ in range(calls):
+            with _testing.counting() as counts:
+                t0 = time.perf_counter_ns()
+                run()
+                wall = time.perf_counter_ns() - t0
+                c = counts()
+            assert _testing.last_policy()["tier"] == tier, _testing.last_policy()
+            calls_ns.append((wall, {s: c[f"decode_{s}_ns"] for s in DECODE_STEPS}))
+    wall, ns = sorted(calls_ns, key=lambda x: x[0])[len(calls_ns) // 2]
+    busy = wall * threads
+    out = {"wall_ms": wall / 1e6, "read_gbs": (k.nbytes + v.nbytes) / wall}
+    out.update({f"{s}_share": ns[s] / busy for s in DECODE_STEPS})
+    out["other_share"] = 1.0 - sum(ns.values()) / busy
+    return out
+
+
+def main_decode(args, tiers, threads):
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",")]
+    read = None
+    if not args.no_peak:
+        import peak as peak_mod
+        read = max(peak_mod.measure_read(threads, read_mib=1024) for _ in range(2))
+    print(f"decode phase profile | {threads} threads | torch {torch.__version__} | read probe: "
+          + (f"{read:.1f} GB/s" if read else "not measured"))
+    print(f"{'tier':<12}{'dtype':<6}{'BxHqxHkvxLxD':<22}{'ms':>8}  "
+          + "".join(f"{s:>9}" for s in DECODE_STEPS + ("other",)) + f"{'K+V GB/s (% probe)':>21}")
+    rows = []
+    for tier in tiers:
+        for dt in args.dtypes.split(","):
+            name = str(DTYPES[dt]).replace("torch.", "")
+            if name not in tier_dtypes(tier) and not (dt == "fp8" and "bfloat16" in tier_dtypes(tier)):
+                continue
+            for shape in shapes:
+                r = profile_decode(tier, DTYPES[dt], shape, args.calls, threads)
+                gbs = f"{r['read_gbs']:.1f}" + (f" ({100 * r['read_gbs'] / read:.0f}%)" if read else "")
+                print(f"{tier:<12}{dt:<6}{'x'.join(map(str, shape)):<22}{r['wall_ms']:8.2f}  "
+                      + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in DECODE_STEPS + ("other",))
+                      + f"{gbs:>21}", flush=True)
+                rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": threads, "torch": torch.__version__, "read_gbs": read,
+                       "rows": rows}, f, indent=2)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default=None, help="comma separated (default: every native tier)")
@@ -85,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-peak", action="store_true", help="skip the peak probe (bench/peak.py)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--decode", nargs="?", const="1x32x8x16384x128", default=None,
+                    help="profile decode instead: BxHqxHkvxLxD, comma separated")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,6 +169,8 @@ def main(argv=None):
     unknown = sorted(set(tiers) - set(native_tiers()))
     if unknown:
         ap.error(f"--tiers: {unknown} not among the tiers this CPU runs: {native_tiers()}")
+    if args.decode:
+        return main_decode(args, tiers, threads)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dtypes = args.dtypes.split(",")
     peak = None

@@ -149,8 +149,9 @@ struct AttnParams {
 };
 
 // The test-only counters (PathCounters; flashsdpa._testing.counting): the fast paths taken,
-// block by block, and the nanoseconds the prefill forward's items and K / V packing spend in
-// each step, summed over threads (where a tier's time goes: bench/phase_profile.py).
+// block by block, and the nanoseconds the prefill forward's items and K / V packing, and the
+// decode splits, spend in each step, summed over threads (where a tier's time goes:
+// bench/phase_profile.py).
 #define FLASHSDPA_PATH_COUNTERS(X)                                                            \
   X(fused_exp_blocks)       /* forward kv blocks whose exponentials were fused */            \
   X(fused_exp_band_blocks)  /* ... of them, blocks a band's edge crosses (causal, window) */  \
@@ -167,7 +168,10 @@ struct AttnParams {
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
-  X(fwd_pv_ns)              /* acc += P V */
+  X(fwd_pv_ns)              /* acc += P V */                                                \
+  X(decode_qk_ns)           /* decode: s = q K (small pages gathered; float8 NaN scan) */   \
+  X(decode_softmax_ns)      /* decode: q rows loaded, online softmax, partials written */    \
+  X(decode_pv_ns)           /* decode: acc += P V (small pages gathered; float8 NaN scan) */
 
 struct PathCounters {
 #define FLASHSDPA_COUNTER(f) std::atomic<int64_t> f{0};

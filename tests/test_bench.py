@@ -415,3 +415,26 @@ def test_phase_profile_tiny_run(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--tiers",
                           "nonesuch", "--no-peak"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--tiers" in bad.stderr
+
+
+def test_phase_profile_decode_tiny_run(tmp_path):
+    """bench/phase_profile.py --decode: a row per native tier, dtype (a float8 cache on every
+    tier) and shape, with the decode step shares (decode_*_ns clocks) summing to 1, every
+    step timed, and the K + V read rate."""
+    out = tmp_path / "decode_phases.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--decode",
+                          "1x8x2x512x64", "--dtypes", "fp32,bf16,fp8", "--calls", "1",
+                          "--no-peak", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    from flashsdpa import _C
+    native = [t for t in _C.tiers() if t["built"] and t["cpu_ok"] and t["name"] != "portable"]
+    want = {(t["name"], dt) for t in native for dt in ("fp32", "bf16", "fp8")
+            if dt == "fp8" and "bfloat16" in t["dtypes"]
+            or {"fp32": "float32", "bf16": "bfloat16", "fp8": "-"}[dt] in t["dtypes"]}
+    assert {(r["tier"], r["dtype"]) for r in rows} == want and len(rows) == len(want)
+    for r in rows:
+        shares = [r[f"{s}_share"] for s in ("qk", "softmax", "pv", "other")]
+        assert all(x > 0 for x in shares[:3]) and abs(sum(shares) - 1) < 1e-6, r
+        assert r["read_gbs"] > 0

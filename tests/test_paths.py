@@ -207,10 +207,10 @@ def test_whole_q_block(tier):
 
 @pytest.mark.parametrize("case", ["transposed", "rows-prepack", "causal-bf16", "decode"])
 def test_step_clocks_account_for_the_forward(tier, case):
-    """The step clocks of the prefill forward (counting on: fwd_pack / scores / softmax / pv
-    nanoseconds, summed over threads; bench/phase_profile.py): every step of the path that ran
-    is timed, their sum fits in the call's wall time times the threads, decode (another
-    kernel) adds nothing."""
+    """The step clocks (counting on: nanoseconds summed over threads; bench/phase_profile.py):
+    of the prefill forward (fwd_pack / scores / softmax / pv) and of decode (decode_qk /
+    softmax / pv): every step of the path that ran is timed, the other kernel's steps not at
+    all, and their sum fits in the call's wall time times the threads."""
     import time
     dtype = torch.bfloat16 if case == "causal-bf16" else torch.float32
     lq = 1 if case == "decode" else 300
@@ -223,10 +223,13 @@ def test_step_clocks_account_for_the_forward(tier, case):
         wall = time.perf_counter_ns() - t0
         pol, c = _testing.last_policy(), counts()
     ns = {s: c[f"fwd_{s}_ns"] for s in steps}
+    dec = {s: c[f"decode_{s}_ns"] for s in ("qk", "softmax", "pv")}
+    assert sum(ns.values()) + sum(dec.values()) <= wall * torch.get_num_threads(), (ns, dec, wall)
     if case == "decode":
         assert pol["decode"] and not any(ns.values()), ns
+        assert all(t > 0 for t in dec.values()), dec
     else:
+        assert not any(dec.values()), dec
         assert pol["transposed"] == (case == "transposed" and "transposed" in ran_paths())
         packs = not pol["transposed"]  # (it reads K in place, and V: Dv a multiple of NR)
         assert all(ns[s] > 0 for s in steps if s != "pack") and (ns["pack"] > 0) == packs, ns
-        assert sum(ns.values()) <= wall * torch.get_num_threads(), (ns, wall)

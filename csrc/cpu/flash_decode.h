@@ -304,6 +304,7 @@ struct FlashDecode {
   // i = r % Lq. An item covers kv heads [hk0, hk0 + nh), their rows one block after another.
   template <class O>
   static void split(const AttnParams& p, int64_t item, float* scratch) {
+    StepClock clock(p);  // (the steps' time, when counting: PathCounters::decode_*_ns)
     const Layout L(p, scratch);
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv, nb = block_keys(p);
     const int nh = int(heads_per_item(p));
@@ -331,6 +332,7 @@ struct FlashDecode {
       for (int d = 0; d < L.ldacc; ++d) L.acc[r * L.ldacc + d] = 0.0f;
     }
     constexpr bool scan = kScan && std::is_same<O, Ops>::value;
+    clock.lap(&PathCounters::decode_softmax_ns);
     if constexpr (scan)
       if (!fast_item(L.q, nh * M * L.ldq)) return exact_item(p, item, scratch);
     const Visibility vis = Visibility::of(p);
@@ -370,6 +372,7 @@ struct FlashDecode {
             patch_nan(p, kr.from(j), n, nh, p.k_sh, p.D, false, nullptr, L.s + j, M * L.lds,
                       L.lds, M);
         }
+        clock.lap(&PathCounters::decode_qk_ns);
         for (int e = 0; e < nh; ++e) {
           const int64_t hk = hk0 + e;
           float* s = L.s + e * M * L.lds;
@@ -388,6 +391,7 @@ struct FlashDecode {
           }
           any_head |= any[e];
         }
+        clock.lap(&PathCounters::decode_softmax_ns);
       });
       if (!any_head) continue;
       with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
@@ -401,6 +405,7 @@ struct FlashDecode {
             patch_nan(p, vr.from(j), n, nh, p.v_sh, p.Dv, true, any, L.acc, M * L.ldacc,
                       L.ldacc, M);
         }
+        clock.lap(&PathCounters::decode_pv_ns);
       });
     }
     const int64_t ld_part = L.ldacc + 2;
@@ -416,6 +421,7 @@ struct FlashDecode {
         pr[L.ldacc + 1] = L.l[er];
       }
     }
+    clock.lap(&PathCounters::decode_softmax_ns);
   }
 
   static void run_merge(const AttnParams& p, int64_t item, float* scratch) {

@@ -114,7 +114,7 @@ bench-avx2-host: build
 	$(PY) bench/bench_sdpa.py --mode fwd --tag fwd_avx2_host --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode decode --tag decode_avx2_host --out-dir bench/results
 	$(PY) bench/bench_sdpa.py --mode serving --tag serving_avx2_host --out-dir bench/results
-	$(PY) bench/bench_paths.py --paths decode,e4m3_fast --out bench/results/paths_avx2_host.json
+	$(PY) bench/bench_paths.py --paths decode,e4m3_fast,near_pf,near_pf@kvcache --out bench/results/paths_avx2_host.json
 	$(REPORT)
 
 # The README's performance tables from the tracked results (the files present are rendered).

@@ -35,6 +35,8 @@ PATHS = {
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
     "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
     "e4m3_fast": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
+    "near_pf": ("decode", (1, 32, 8, 16384, 128), torch.bfloat16, False),
+    "near_pf@kvcache": ("decode-kvcache", (1, 32, 8, 16384, 128), torch.bfloat16, False),
 }
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
@@ -48,6 +50,8 @@ WHAT = {
     "decode": "split-KV decode for short queries",
     "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
     "e4m3_fast": "a float8 cache widened without F16C's conversion (avx2)",
+    "near_pf": "decode prefetches a sub-block ahead, non-temporal, not a block ahead into L2",
+    "near_pf@kvcache": "the same over flash-attn's (B, L, Hkv, D) cache (flash_attn_with_kvcache)",
 }
 
 
@@ -55,30 +59,33 @@ def policy_field(name):
     return name.split("@")[0]
 
 
-def fp8_decode_step(B, Hq, Hkv, L, D, dtype):
-    """One decode query over a float8_e4m3fn cache (flash_attn_with_kvcache, per-kv-head scales)
-    quantised from make_inputs' keys and values."""
+def kvcache_decode_step(B, Hq, Hkv, L, D, dtype, fp8):
+    """One decode query over a (B, L, Hkv, D) cache (flash_attn_with_kvcache) of make_inputs'
+    keys and values: in dtype, or (fp8) quantised to float8_e4m3fn with per-kv-head scales."""
     q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, "decode")
     q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D), the caches (B, L, Hkv, D)
     caches, scales = [], []
     for x in (k, v):
-        x = x.transpose(1, 2).float()
-        scale = x.abs().amax(dim=(0, 1, 3)) / 448
-        caches.append((x / scale.view(-1, 1)).to(torch.float8_e4m3fn).contiguous())
-        scales.append(scale)
+        x = x.transpose(1, 2)
+        if fp8:
+            x = x.float()
+            scale = x.abs().amax(dim=(0, 1, 3)) / 448
+            x = x / scale.view(-1, 1)
+            scales.append(scale)
+        caches.append(x.to(torch.float8_e4m3fn if fp8 else dtype).contiguous())
     seqlens = torch.full((B,), L, dtype=torch.int32)
+    kw = dict(k_scale=scales[0], v_scale=scales[1]) if fp8 else {}
 
     def step():
-        flashsdpa.flash_attn_with_kvcache(q, caches[0], caches[1], cache_seqlens=seqlens,
-                                          k_scale=scales[0], v_scale=scales[1])
+        flashsdpa.flash_attn_with_kvcache(q, caches[0], caches[1], cache_seqlens=seqlens, **kw)
     return step
 
 
 def run_path(name, repeats):
     mode, (B, Hq, Hkv, L, D), dtype, causal = PATHS[name]
     field = policy_field(name)
-    if mode == "decode-fp8":
-        step = fp8_decode_step(B, Hq, Hkv, L, D, dtype)
+    if mode in ("decode-fp8", "decode-kvcache"):
+        step = kvcache_decode_step(B, Hq, Hkv, L, D, dtype, mode == "decode-fp8")
     else:
         q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, mode)
         step = make_step(_flashsdpa, q, k, v, causal, Hq != Hkv, mode)

@@ -143,6 +143,9 @@ struct AttnParams {
   // Decode over a float8_e4m3fn cache: the tier's fast widening (DecodeOpsOf<..>::exact differs
   // from its type; plan.cpp decides, FlashDecode::run_split item by item).
   bool e4m3_fast;
+  // Decode: prefetches one sub-block's bytes ahead with the non-temporal hint rather than a
+  // block ahead into L2 (FlashDecode::ahead; plan.cpp decides).
+  bool near_pf;
 
   // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
   struct PathCounters* counters;
@@ -165,6 +168,7 @@ struct AttnParams {
   X(decode_e4m3_fast_blocks)  /* of those, over float8 K / V the tier's fast widening read */ \
   X(decode_e4m3_nan_patched)  /* sub-blocks (K, V) of those whose NaN bytes were set after */ \
   X(decode_e4m3_exact_items)  /* float8 items its exact one took instead (run_split) */      \
+  X(decode_near_pf_blocks)  /* decode blocks whose K / V prefetches ran near (near_pf) */     \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
@@ -264,6 +268,7 @@ struct CpuTier {
   bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (not on AMX)
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   bool e4m3_fast;  // decode kernels widening float8 without F16C (dims multiples of 16)
+  bool near_pf;  // decode kernels whose prefetches may run near (the trait's kDecodeNearPf)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
   // until end: dynamic scheduling).

@@ -98,7 +98,7 @@ def test_bench_avx2_host_results_rendered(tmp_path):
     assert "--mode fwd --tag fwd_avx2_host --out-dir bench/results" in dry.stdout
     assert "--mode decode --tag decode_avx2_host --out-dir bench/results" in dry.stdout
     assert "--mode serving --tag serving_avx2_host --out-dir bench/results" in dry.stdout
-    assert "--paths decode,e4m3_fast --out bench/results/paths_avx2_host.json" in dry.stdout
+    assert "--paths decode,e4m3_fast,near_pf,near_pf@kvcache --out bench/results/paths_avx2_host.json" in dry.stdout
     rendered = dry.stdout.split("report.py", 1)[1]
     assert all(f"{m}_avx2_host.json" in rendered for m in ("fwd", "decode", "serving", "paths"))
     import report
@@ -284,7 +284,8 @@ def test_bench_paths_runs_every_path(tmp_path):
     for r in rows:
         field = bench_paths.policy_field(r["path"])
         needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp", "fp16_pv": "fp16_pv",
-                       "fused_rows": "fused_bwd_rows", "e4m3_fast": "e4m3_fast"}.get(field)
+                       "fused_rows": "fused_bwd_rows", "e4m3_fast": "e4m3_fast",
+                       "near_pf": "near_pf"}.get(field)
         assert r["plan_takes_it"] == (needs_trait is None or (
             needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True))), r
         assert r["on_ms"] > 0 and r["off_ms"] > 0

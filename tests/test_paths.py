@@ -118,6 +118,48 @@ def test_e4m3_fast_widening(tier, forced, dims):
         assert (counts["decode_e4m3_fast_blocks"] > 0) == expected
     torch.testing.assert_close(outs[forced], outs[0], atol=0, rtol=0)
 
+@pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8"])
+def test_near_prefetch(tier, cache):
+    """Decode's near prefetches (a sub-block ahead, non-temporal: KernelPolicy::near_pf) where
+    the tier's trait has them and the cache is not float8, counted per block (not on blocks
+    copied from small pages, which the copy prefetches); prefetches never change a result: bit
+    for bit the block-ahead ones' output."""
+    g = torch.Generator().manual_seed(5)
+    B, L, Hkv, D = 2, 700, 2, 64
+    q = torch.randn(B, 1, 8, D, generator=g).to(torch.bfloat16)
+    dt = torch.float8_e4m3fn if cache == "float8" else torch.bfloat16
+    k, v = (torch.randn(B, L, Hkv, D, generator=g).to(dt) for _ in range(2))
+    kw = dict(k_scale=0.5, v_scale=0.5) if cache == "float8" else {}
+    if cache == "heads-major":  # (B, Hkv, L, D) in memory
+        k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
+    if cache in ("paged", "small-pages"):
+        bs = 16 if cache == "paged" else 5
+        order = torch.randperm(B * -(-L // bs), generator=g)
+        table = order.view(B, -1).to(torch.int32)
+        pools = []
+        for x in (k, v):
+            pool = torch.zeros((table.numel(), bs, Hkv, D), dtype=x.dtype)
+            for b in range(B):
+                for i in range(table.shape[1]):
+                    rows = x[b, i * bs:(i + 1) * bs]
+                    pool[table[b, i], :rows.shape[0]] = rows
+            pools.append(pool)
+        k, v = pools
+        kw["block_table"] = table
+    seqlens = torch.full((B,), L, dtype=torch.int32)
+    outs = {}
+    for forced in (None, 0):
+        with _testing.policy(**({} if forced is None else {"near_pf": forced})), \
+                _testing.counting() as n:
+            outs[forced] = flashsdpa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kw)
+            ran, c = _testing.last_policy()["near_pf"], n()
+        expected = forced is None and "near_pf" in ran_paths() and cache != "float8"
+        assert c["decode_blocks"] > 0 and ran == expected, (ran, c)
+        assert (c["decode_near_pf_blocks"] > 0) == (expected and cache != "small-pages"), c
+        assert c["decode_near_pf_blocks"] + c["decode_gathered_blocks"] <= c["decode_blocks"]
+    torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
+
+
 # name -> (Lq, Lk, flash_attn_func keywords): blocks a band's edge crosses, several kv blocks
 # of whole panels (D = 32: bk = 256), ragged q blocks
 BAND_CASES = {

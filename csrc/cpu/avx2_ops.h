@@ -337,6 +337,8 @@ struct Avx2Ops : GenericOps {
   // time, a 16-dim chunk of each in turn, which the streamer behind a prefetch of each row's
   // first line does not follow.
   static constexpr int kLightVEvery = 64;
+  // Near decode prefetches (GenericOps::kDecodeNearPf; their case: bench_paths near_pf).
+  static constexpr bool kDecodeNearPf = true;
   FLASHSDPA_TRAIT_CAPS(Avx2Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/false)
 
@@ -475,13 +477,17 @@ struct Avx2Ops : GenericOps {
   }
 
   // The lines of the cursor's pf_row to prefetch: bytes [at, at + bytes) of the row, one line
-  // per `every` (into L2: the block it belongs to is read a block later).
-  template <class Cursor>
-  static inline void prefetch_key(const Cursor& c, int every, int64_t at, int bytes) {
+  // per rows.every: with the non-temporal hint where rows.nta (into L1, read a sub-block
+  // later), else into L2 (read a block later).
+  template <class Cursor, class Rows>
+  static inline void prefetch_key(const Cursor& c, const Rows& rows, int64_t at, int bytes) {
     const auto* t = c.pf_row();
     if (Cursor::kPfGaps && !t) return;
     const char* r = reinterpret_cast<const char*>(t) + at;
-    for (int b = 0; b < bytes; b += every) _mm_prefetch(r + b, _MM_HINT_T1);
+    if (rows.nta)
+      for (int b = 0; b < bytes; b += rows.every) _mm_prefetch(r + b, _MM_HINT_NTA);
+    else
+      for (int b = 0; b < bytes; b += rows.every) _mm_prefetch(r + b, _MM_HINT_T1);
   }
   // Whether a pass over the rows' dims from d0 prefetches: passes starting on the `every`
   // grid do (their part of each row, prefetch_key), so each line is prefetched once.
@@ -505,7 +511,7 @@ struct Avx2Ops : GenericOps {
       const T* k4[4];
       for (int u = 0; u < 4; ++u, c.next()) {
         k4[u] = c.row();
-        if (pf) prefetch_key(c, k.every, 0, D * int(sizeof(T)));
+        if (pf) prefetch_key(c, k, 0, D * int(sizeof(T)));
       }
       for (int r = 0; r < M; r += kR)
         with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) { f(rows, k4, r, j); });
@@ -572,7 +578,7 @@ struct Avx2Ops : GenericOps {
     auto c = k.cursor();
     const auto next_row = [&] {
       const T* r = c.row();
-      if (pf) prefetch_key(c, k.every, 0, D * int(sizeof(T)));
+      if (pf) prefetch_key(c, k, 0, D * int(sizeof(T)));
       c.next();
       return r;
     };
@@ -703,7 +709,7 @@ struct Avx2Ops : GenericOps {
       const T* vg[G];
       for (int u = 0; u < G; ++u, c.next()) {
         vg[u] = c.row();
-        if (pf) prefetch_key(c, v.every, 0, Dv * int(sizeof(T)));
+        if (pf) prefetch_key(c, v, 0, Dv * int(sizeof(T)));
       }
       for (int r = 0; r < M; r += 6)
         with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {

@@ -342,7 +342,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
         const uint16_t* kw[4];
         for (int u = 0; u < 4; ++u, c.next()) {
           kw[u] = bf16_words(c.row());
-          if (pf) prefetch_key(c, k.every, 0, 2 * D);
+          if (pf) prefetch_key(c, k, 0, 2 * D);
         }
         int r = 0;
         for (; r + 2 <= M; r += 2)
@@ -467,7 +467,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
     auto c = v.cursor();
     const auto take = [&] {  // the cursor's row from d0, prefetching as asked; then the next key
       const uint16_t* r = bf16_words(c.row()) + d0;
-      if (prefetch) prefetch_key(c, v.every, at, 64 * C);
+      if (prefetch) prefetch_key(c, v, at, 64 * C);
       c.next();
       return r;
     };
@@ -678,7 +678,7 @@ struct Avx512Bf16E4m3Ops : Avx512Bf16DecodeOps {
     auto c = v.cursor();
     const auto take = [&] {  // the cursor's row from d0, prefetching as asked; then the next key
       const e4m3_t* r = c.row() + d0;
-      if (prefetch) prefetch_key(c, v.every, d0, 32 * C);
+      if (prefetch) prefetch_key(c, v, d0, 32 * C);
       c.next();
       return r;
     };

@@ -124,11 +124,15 @@ struct FlashDecode {
     if (p.page_size == 0) return r + j * s.sl;
     return r + int64_t(p.block_table[j / p.page_size]) * s.spage + j % p.page_size * s.sl;
   }
-  // How far ahead (keys) the prefetches run: V the next block's same keys; K at most
-  // kKAheadKeys, so that an item's first K block, which nothing prefetched, is covered after its
-  // first keys (with long blocks, one kv head per item, that block is a large share of an item).
+  // How far ahead (keys) the prefetches run. Near (p.near_pf, with the non-temporal hint):
+  // about a sub-block's bytes (decode_sub_bytes(), a share of L1d) of the stream the kernel
+  // walks, K's or V's rows of one kv head. Otherwise (into L2): V the next block's same keys; K
+  // at most kKAheadKeys, so that an item's first K block, which nothing prefetched, is covered
+  // after its first keys (with long blocks, one kv head per item, that block is a large share
+  // of an item).
   static constexpr int64_t kKAheadKeys = 64;
-  static int64_t ahead(const AttnParams& p, bool v) {
+  static int64_t ahead(const AttnParams& p, const Side& s, bool v) {
+    if (p.near_pf) return max64(1, decode_sub_bytes() / max64(1, s.sl * int64_t(sizeof(KV))));
     return v ? block_keys(p) : min64(block_keys(p), kKAheadKeys);
   }
 
@@ -348,7 +352,7 @@ struct FlashDecode {
       // the cache takes: equally spaced (contiguous; gathered pages) or a table (paged).
       const auto with_rows = [&](const Side& side, int64_t width, bool v, const KV** at,
                                  const KV** pf, auto&& f) {
-        const int64_t dist = ahead(p, v);
+        const int64_t dist = ahead(p, side, v);
         const int every = prefetch_every<O>(p, v);
         if (gather) {
           gather_rows(p, side, b, hk0, j0, nk, width, L.kv);
@@ -356,10 +360,13 @@ struct FlashDecode {
         }
         if (p.page_size == 0)  // (no prefetches from a block whose first target is past the keys)
           return f(StridedRows<KV>{row_at(p, side, b, hk0, j0), side.sl,
-                                   j0 + dist < p.Lk ? dist * side.sl : 0, every});
-        return f(block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf));
+                                   j0 + dist < p.Lk ? dist * side.sl : 0, every, p.near_pf});
+        auto rows = block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf);
+        rows.nta = p.near_pf;
+        return f(rows);
       };
       if (gather) count_path(p, &PathCounters::decode_gathered_blocks, 1);
+      else if (p.near_pf) count_path(p, &PathCounters::decode_near_pf_blocks, 1);
       bool any_head = false;
       if (sub < nk) count_path(p, &PathCounters::decode_sub_blocks, ceil_div(nk, sub));
       with_rows(ks, p.D, false, L.k_at, L.k_pf, [&](const auto& kr) {

@@ -375,7 +375,8 @@ inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, co
 //   cursor(j)      a walk over keys j, j + 1, ... for the kernels' loops: row(), next(), and,
 //                  where prefetches(), pf_row(): the row to prefetch while this key's is read
 //                  (the same key of the next block; null where kPfGaps: none), one line per
-//                  `every` bytes of the part the kernel reads
+//                  `every` bytes of the part the kernel reads, with the non-temporal hint
+//                  (into L1, a short way ahead) where `nta`, else into L2 (a block ahead)
 // StridedRows: rows `ld` elements apart (a contiguous cache, a gathered block), pf_row `pf`
 // elements on (0: none); its cursor steps a pointer, as the loops over a contiguous cache
 // always did (computing each key's row costs the loops registers they do not have to spare).
@@ -388,6 +389,7 @@ struct StridedRows {
   const T* base;
   int64_t ld, pf;
   int every;
+  bool nta = false;
   const T* row(int j) const { return base + j * ld; }
   bool prefetches() const { return pf != 0; }
   struct Cursor {
@@ -399,8 +401,8 @@ struct StridedRows {
     void next() { r += ld; }
   };
   Cursor cursor(int j = 0) const { return {row(j), ld, pf}; }
-  StridedRows from(int j) const { return {row(j), ld, pf, every}; }
-  StridedRows shift(int64_t d) const { return {base + d, ld, pf, every}; }
+  StridedRows from(int j) const { return {row(j), ld, pf, every, nta}; }
+  StridedRows shift(int64_t d) const { return {base + d, ld, pf, every, nta}; }
 };
 template <class T>
 struct TableRows {
@@ -409,6 +411,7 @@ struct TableRows {
   const T* const* pf;  // null: no prefetches
   int64_t off;
   int every;
+  bool nta = false;
   const T* row(int j) const { return at[j] + off; }
   bool prefetches() const { return pf != nullptr; }
   struct Cursor {
@@ -422,8 +425,8 @@ struct TableRows {
     void next() { ++j; }
   };
   Cursor cursor(int j = 0) const { return {at, pf, off, j}; }
-  TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every}; }
-  TableRows shift(int64_t d) const { return {at, pf, off + d, every}; }
+  TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every, nta}; }
+  TableRows shift(int64_t d) const { return {at, pf, off + d, every, nta}; }
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format
@@ -458,6 +461,10 @@ struct GenericOps {
   // lines between (fewer prefetch instructions let the loads run further ahead); one per line
   // where it does not (Avx2Ops). (This trait leaves prefetching to the hardware.)
   static constexpr int kLightVEvery = 256;
+  // Whether the trait's decode prefetches may run near (KernelPolicy::near_pf: one sub-block's
+  // bytes ahead, decode_sub_bytes(), with the non-temporal hint, rather than a block ahead into
+  // L2; FlashDecode::ahead). This trait does not prefetch.
+  static constexpr bool kDecodeNearPf = false;
   // A float8 cache's K and V as the decode kernels widen them: the values / these (folded into
   // the scales: FlashDecode::kv_factor).
   static constexpr float kE4m3UnitK = kE4m3Unit, kE4m3UnitV = kE4m3Unit;

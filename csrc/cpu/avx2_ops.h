@@ -477,17 +477,15 @@ struct Avx2Ops : GenericOps {
   }
 
   // The lines of the cursor's pf_row to prefetch: bytes [at, at + bytes) of the row, one line
-  // per rows.every: with the non-temporal hint where rows.nta (into L1, read a sub-block
+  // per rows.every: with the non-temporal hint where Rows::kNta (into L1, read a sub-block
   // later), else into L2 (read a block later).
   template <class Cursor, class Rows>
   static inline void prefetch_key(const Cursor& c, const Rows& rows, int64_t at, int bytes) {
     const auto* t = c.pf_row();
     if (Cursor::kPfGaps && !t) return;
     const char* r = reinterpret_cast<const char*>(t) + at;
-    if (rows.nta)
-      for (int b = 0; b < bytes; b += rows.every) _mm_prefetch(r + b, _MM_HINT_NTA);
-    else
-      for (int b = 0; b < bytes; b += rows.every) _mm_prefetch(r + b, _MM_HINT_T1);
+    for (int b = 0; b < bytes; b += rows.every)
+      _mm_prefetch(r + b, Rows::kNta ? _MM_HINT_NTA : _MM_HINT_T1);
   }
   // Whether a pass over the rows' dims from d0 prefetches: passes starting on the `every`
   // grid do (their part of each row, prefetch_key), so each line is prefetched once.

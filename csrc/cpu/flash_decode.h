@@ -358,11 +358,18 @@ struct FlashDecode {
           gather_rows(p, side, b, hk0, j0, nk, width, L.kv);
           return f(StridedRows<KV>{L.kv, span(p, side.sh, width), 0, every});
         }
-        if (p.page_size == 0)  // (no prefetches from a block whose first target is past the keys)
-          return f(StridedRows<KV>{row_at(p, side, b, hk0, j0), side.sl,
-                                   j0 + dist < p.Lk ? dist * side.sl : 0, every, p.near_pf});
-        auto rows = block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf);
-        rows.nta = p.near_pf;
+        // (near prefetches: the row sources of the non-temporal hint, kernels of their own)
+        constexpr bool near_pf = O::kDecodeNearPf;
+        if (p.page_size == 0) {  // (no prefetches from a block whose first target is past the keys)
+          const KV* r0 = row_at(p, side, b, hk0, j0);
+          const int64_t to = j0 + dist < p.Lk ? dist * side.sl : 0;
+          if constexpr (near_pf)
+            if (p.near_pf) return f(StridedRows<KV, true>{r0, side.sl, to, every});
+          return f(StridedRows<KV>{r0, side.sl, to, every});
+        }
+        const TableRows<KV> rows = block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf);
+        if constexpr (near_pf)
+          if (p.near_pf) return f(TableRows<KV, true>{rows.at, rows.pf, rows.off, rows.every});
         return f(rows);
       };
       if (gather) count_path(p, &PathCounters::decode_gathered_blocks, 1);

@@ -376,20 +376,21 @@ inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, co
 //                  where prefetches(), pf_row(): the row to prefetch while this key's is read
 //                  (the same key of the next block; null where kPfGaps: none), one line per
 //                  `every` bytes of the part the kernel reads, with the non-temporal hint
-//                  (into L1, a short way ahead) where `nta`, else into L2 (a block ahead)
+//                  (into L1, a short way ahead) where kNta, else into L2 (a block ahead); a
+//                  template parameter, not a field: the kernels' loops read no flag for it
 // StridedRows: rows `ld` elements apart (a contiguous cache, a gathered block), pf_row `pf`
 // elements on (0: none); its cursor steps a pointer, as the loops over a contiguous cache
 // always did (computing each key's row costs the loops registers they do not have to spare).
 // TableRows: a table of row pointers (a paged cache's, filled a block at a time, so that the
 // kernels cross its pages without leaving their loops), `off` elements into each; its cursor
 // is an index into the tables.
-template <class T>
+template <class T, bool NTA = false>
 struct StridedRows {
   using Elem = T;
+  static constexpr bool kNta = NTA;
   const T* base;
   int64_t ld, pf;
   int every;
-  bool nta = false;
   const T* row(int j) const { return base + j * ld; }
   bool prefetches() const { return pf != 0; }
   struct Cursor {
@@ -401,17 +402,17 @@ struct StridedRows {
     void next() { r += ld; }
   };
   Cursor cursor(int j = 0) const { return {row(j), ld, pf}; }
-  StridedRows from(int j) const { return {row(j), ld, pf, every, nta}; }
-  StridedRows shift(int64_t d) const { return {base + d, ld, pf, every, nta}; }
+  StridedRows from(int j) const { return {row(j), ld, pf, every}; }
+  StridedRows shift(int64_t d) const { return {base + d, ld, pf, every}; }
 };
-template <class T>
+template <class T, bool NTA = false>
 struct TableRows {
   using Elem = T;
+  static constexpr bool kNta = NTA;
   const T* const* at;
   const T* const* pf;  // null: no prefetches
   int64_t off;
   int every;
-  bool nta = false;
   const T* row(int j) const { return at[j] + off; }
   bool prefetches() const { return pf != nullptr; }
   struct Cursor {
@@ -425,8 +426,8 @@ struct TableRows {
     void next() { ++j; }
   };
   Cursor cursor(int j = 0) const { return {at, pf, off, j}; }
-  TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every, nta}; }
-  TableRows shift(int64_t d) const { return {at, pf, off + d, every, nta}; }
+  TableRows from(int j) const { return {at + j, pf ? pf + j : nullptr, off, every}; }
+  TableRows shift(int64_t d) const { return {at, pf, off + d, every}; }
 };
 
 // The traits the decode path uses over K / V of storage type KV (a tier whose operand format

@@ -59,6 +59,26 @@ def tier_dtypes(tier):
     return {t["name"]: t["dtypes"] for t in _C.tiers()}[tier]
 
 
+def step_shares(run, tier, calls, threads, prefix, steps):
+    """run's median call of `calls` (after a warm-up) with the step clocks on: (wall ns,
+    {"<step>_share": its share of wall x threads, "other_share": the rest}, {step: ns})."""
+    run()  # warm-up (buffers, the pack workspace)
+    calls_ns = []  # (wall, {step: ns}) per call
+    for _ in range(calls):
+        with _testing.counting() as counts:
+            t0 = time.perf_counter_ns()
+            run()
+            wall = time.perf_counter_ns() - t0
+            c = counts()
+        assert _testing.last_policy()["tier"] == tier, _testing.last_policy()
+        calls_ns.append((wall, {s: c[f"{prefix}_{s}_ns"] for s in steps}))
+    wall, ns = sorted(calls_ns, key=lambda x: x[0])[len(calls_ns) // 2]  # the median call
+    busy = wall * threads
+    shares = {f"{s}_share": ns[s] / busy for s in steps}
+    shares["other_share"] = 1.0 - sum(ns.values()) / busy
+    return wall, shares, ns
+
+
 def profile(tier, dtype, shape, causal, calls, threads):
     """One case, its median call of `calls`: {"wall_ms", "<step>_share", "other_share" (shares of
     wall x threads), "scores_gflops", "pv_gflops" (per thread while in the step)}."""
@@ -67,21 +87,8 @@ def profile(tier, dtype, shape, causal, calls, threads):
     q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(3))
     run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     with flashsdpa.enabled(), cap(tier):
-        run()  # warm-up (buffers, the pack workspace)
-        calls_ns = []  # (wall, {step: ns}) per call
-        for _ in range(calls):
-            with _testing.counting() as counts:
-                t0 = time.perf_counter_ns()
-                run()
-                wall = time.perf_counter_ns() - t0
-                c = counts()
-            assert _testing.last_policy()["tier"] == tier, _testing.last_policy()
-            calls_ns.append((wall, {s: c[f"fwd_{s}_ns"] for s in STEPS}))
-    wall, ns = sorted(calls_ns, key=lambda x: x[0])[len(calls_ns) // 2]  # the median call
-    busy = wall * threads
-    out = {"wall_ms": wall / 1e6}
-    out.update({f"{s}_share": ns[s] / busy for s in STEPS})
-    out["other_share"] = 1.0 - sum(ns.values()) / busy
+        wall, shares, ns = step_shares(run, tier, calls, threads, "fwd", STEPS)
+    out = dict({"wall_ms": wall / 1e6}, **shares)
     # the GEMM steps' GFLOP/s per thread while in them
     flops = 2.0 * B * H * visible_pairs(L, L, causal) * D
     out["scores_gflops"] = flops / ns["scores"] if ns["scores"] else None
@@ -102,22 +109,8 @@ def profile_decode(tier, dtype, shape, calls, threads):
     kw = dict(k_scale=1.0, v_scale=1.0) if fp8 else {}
     run = lambda: flashsdpa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kw)  # noqa: E731
     with cap(tier):
-        run()
-        calls_ns = []
-        for _ in range(calls):
-            with _testing.counting() as counts:
-                t0 = time.perf_counter_ns()
-                run()
-                wall = time.perf_counter_ns() - t0
-                c = counts()
-            assert _testing.last_policy()["tier"] == tier, _testing.last_policy()
-            calls_ns.append((wall, {s: c[f"decode_{s}_ns"] for s in DECODE_STEPS}))
-    wall, ns = sorted(calls_ns, key=lambda x: x[0])[len(calls_ns) // 2]
-    busy = wall * threads
-    out = {"wall_ms": wall / 1e6, "read_gbs": (k.nbytes + v.nbytes) / wall}
-    out.update({f"{s}_share": ns[s] / busy for s in DECODE_STEPS})
-    out["other_share"] = 1.0 - sum(ns.values()) / busy
-    return out
+        wall, shares, _ = step_shares(run, tier, calls, threads, "decode", DECODE_STEPS)
+    return dict({"wall_ms": wall / 1e6, "read_gbs": (k.nbytes + v.nbytes) / wall}, **shares)
 
 
 def main_decode(args, tiers, threads):

@@ -101,8 +101,8 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   pol.e4m3_fast = pol.decode && p.kv_e4m3 && tier.e4m3_fast && p.D % 16 == 0 &&
                   p.Dv % 16 == 0 && !cpu::host_features().denormal_assists &&
                   choose(o.e4m3_fast, true);
-  // (float8 caches, whose kernels do more per byte, keep the block-ahead prefetches: near ones
-  // ran 2-4% slower there on Zen 2)
+  // (float8 caches, whose kernels do more work per byte read, keep the block-ahead prefetches;
+  // bench_paths near_pf is the case that shows the gain)
   pol.near_pf = pol.decode && tier.near_pf && !p.kv_e4m3 && choose(o.near_pf, true);
   choose_blocks(p, tier, tier.block_q, o.fwd_bq, o.fwd_bk, &pol);
   pol.whole_q = o.fwd_bq == 0 &&

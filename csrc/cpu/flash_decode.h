@@ -124,15 +124,15 @@ struct FlashDecode {
     if (p.page_size == 0) return r + j * s.sl;
     return r + int64_t(p.block_table[j / p.page_size]) * s.spage + j % p.page_size * s.sl;
   }
-  // How far ahead (keys) the prefetches run. Near (p.near_pf, with the non-temporal hint):
+  // How far ahead (keys) the prefetches run. Near (with the non-temporal hint: split's `near`):
   // about a sub-block's bytes (decode_sub_bytes(), a share of L1d) of the stream the kernel
   // walks, K's or V's rows of one kv head. Otherwise (into L2): V the next block's same keys; K
   // at most kKAheadKeys, so that an item's first K block, which nothing prefetched, is covered
   // after its first keys (with long blocks, one kv head per item, that block is a large share
   // of an item).
   static constexpr int64_t kKAheadKeys = 64;
-  static int64_t ahead(const AttnParams& p, const Side& s, bool v) {
-    if (p.near_pf) return max64(1, decode_sub_bytes() / max64(1, s.sl * int64_t(sizeof(KV))));
+  static int64_t ahead(const AttnParams& p, const Side& s, bool v, bool near) {
+    if (near) return max64(1, decode_sub_bytes() / max64(1, s.sl * int64_t(sizeof(KV))));
     return v ? block_keys(p) : min64(block_keys(p), kKAheadKeys);
   }
 
@@ -317,6 +317,9 @@ struct FlashDecode {
     const int64_t j_begin = span_begin(p) + sp * split_len(p);
     const int64_t j_end = min64(span_end(p), j_begin + split_len(p));
     const bool gather = gathers(p);
+    // near prefetches (the plan's near_pf, where the trait has them): their distance, their
+    // hint (row sources of their own: kernels instantiated for it) and their count, all from this
+    const bool near = O::kDecodeNearPf && p.near_pf;
     const Side ks = k_side(p), vs = v_side(p);
     // Per head of the item, the scores' scale (log2 units) times its K factor: folded into Q,
     // or applied to the scores by traits that keep Q unscaled.
@@ -352,28 +355,26 @@ struct FlashDecode {
       // the cache takes: equally spaced (contiguous; gathered pages) or a table (paged).
       const auto with_rows = [&](const Side& side, int64_t width, bool v, const KV** at,
                                  const KV** pf, auto&& f) {
-        const int64_t dist = ahead(p, side, v);
+        const int64_t dist = ahead(p, side, v, near);
         const int every = prefetch_every<O>(p, v);
         if (gather) {
           gather_rows(p, side, b, hk0, j0, nk, width, L.kv);
           return f(StridedRows<KV>{L.kv, span(p, side.sh, width), 0, every});
         }
-        // (near prefetches: the row sources of the non-temporal hint, kernels of their own)
-        constexpr bool near_pf = O::kDecodeNearPf;
         if (p.page_size == 0) {  // (no prefetches from a block whose first target is past the keys)
           const KV* r0 = row_at(p, side, b, hk0, j0);
           const int64_t to = j0 + dist < p.Lk ? dist * side.sl : 0;
-          if constexpr (near_pf)
-            if (p.near_pf) return f(StridedRows<KV, true>{r0, side.sl, to, every});
+          if constexpr (O::kDecodeNearPf)
+            if (near) return f(StridedRows<KV, true>{r0, side.sl, to, every});
           return f(StridedRows<KV>{r0, side.sl, to, every});
         }
         const TableRows<KV> rows = block_rows(p, side, b, hk0, j0, nk, dist, every, at, pf);
-        if constexpr (near_pf)
-          if (p.near_pf) return f(TableRows<KV, true>{rows.at, rows.pf, rows.off, rows.every});
+        if constexpr (O::kDecodeNearPf)
+          if (near) return f(TableRows<KV, true>{rows.at, rows.pf, rows.off, rows.every});
         return f(rows);
       };
       if (gather) count_path(p, &PathCounters::decode_gathered_blocks, 1);
-      else if (p.near_pf) count_path(p, &PathCounters::decode_near_pf_blocks, 1);
+      else if (near) count_path(p, &PathCounters::decode_near_pf_blocks, 1);
       bool any_head = false;
       if (sub < nk) count_path(p, &PathCounters::decode_sub_blocks, ceil_div(nk, sub));
       with_rows(ks, p.D, false, L.k_at, L.k_pf, [&](const auto& kr) {

@@ -108,23 +108,26 @@ bench-all: build
 	$(REPORT)
 
 # On a host without AVX-512: the forward, decode and serving suites and the avx2 decode paths
-# natively, into bench/results/*_avx2_host.json, which the README's tables then show beside the
-# others (each run of bench-all renders the last ones committed, as for the GPU results).
+# natively, into bench/results/*_$(AVX2_HOST).json, which the README's tables then show beside
+# the others (each run of bench-all renders the last ones committed, as for the GPU results).
+# AVX2_HOST names the host's files: another AVX2 core's results beside the first one's
+# (avx2_host_<core>; the report renders every *_avx2_host*.json).
+AVX2_HOST ?= avx2_host
 bench-avx2-host: build
-	$(PY) bench/bench_sdpa.py --mode fwd --tag fwd_avx2_host --out-dir bench/results
-	$(PY) bench/bench_sdpa.py --mode decode --tag decode_avx2_host --out-dir bench/results
-	$(PY) bench/bench_sdpa.py --mode serving --tag serving_avx2_host --out-dir bench/results
-	$(PY) bench/bench_paths.py --paths decode,e4m3_fast,near_pf,near_pf@kvcache --out bench/results/paths_avx2_host.json
+	$(PY) bench/bench_sdpa.py --mode fwd --tag fwd_$(AVX2_HOST) --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode decode --tag decode_$(AVX2_HOST) --out-dir bench/results
+	$(PY) bench/bench_sdpa.py --mode serving --tag serving_$(AVX2_HOST) --out-dir bench/results
+	$(PY) bench/bench_paths.py --paths decode,e4m3_fast,near_pf,near_pf@kvcache --out bench/results/paths_$(AVX2_HOST).json
 	$(REPORT)
 
 # The README's performance tables from the tracked results (the files present are rendered).
 REPORT = $(PY) bench/report.py --readme README.md --plots bench/results \
 	  bench/results/fwd.json bench/results/fwd_avx2.json \
-	  $$(ls bench/results/fwd_avx2_host.json 2>/dev/null) bench/results/train.json \
-	  bench/results/decode.json $$(ls bench/results/decode_avx2_host.json 2>/dev/null) \
-	  bench/results/paths.json $$(ls bench/results/paths_avx2_host.json 2>/dev/null) \
+	  $$(ls bench/results/fwd_avx2_host*.json 2>/dev/null) bench/results/train.json \
+	  bench/results/decode.json $$(ls bench/results/decode_avx2_host*.json 2>/dev/null) \
+	  bench/results/paths.json $$(ls bench/results/paths_avx2_host*.json 2>/dev/null) \
 	  bench/results/variants.json \
-	  bench/results/serving.json $$(ls bench/results/serving_avx2_host.json 2>/dev/null) \
+	  bench/results/serving.json $$(ls bench/results/serving_avx2_host*.json 2>/dev/null) \
 	  bench/results/hf.json \
 	  $$(ls bench/results/gpu_fwd.json bench/results/gpu_train.json 2>/dev/null)
 

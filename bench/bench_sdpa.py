@@ -418,11 +418,25 @@ def run(args):
     return finish_meta(meta, read_probes), rows
 
 
+def cpu_label():
+    """The CPU's brand string and, on Linux x86, its family and model: virtual machines often
+    report a bare brand ("AMD EPYC") for cores as different as Zen 1 and Zen 4."""
+    brand = _C.cpu_brand()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                        if ":" in line)
+        ids = {k.strip(): v.strip() for k, v in info.items()}
+        return f"{brand} (family {ids['cpu family']} model {ids['model']})"
+    except (OSError, KeyError, ValueError):
+        return brand
+
+
 def host_meta(mode):
     """What every bench result records about where and with what it ran."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _C.cpu_brand(),
+        "cpu": cpu_label(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -492,6 +506,15 @@ def summarize(B, Hq, Hkv, Lq, S, D, dtype, causal, mode, samples, pk, probes=Non
                 row["round_gbs"] = [nbytes / t * 1e-9 for t in ts]
                 row["frac_peak"] = statistics.median(
                     g / p for g, p in zip(row["round_gbs"], probes))
+            if pk:
+                # the roofline: the read bandwidth, or the compute peak over the FLOPs a byte
+                # read takes (2 Hq / Hkv over the element size), whichever is lower
+                fpb = flops(B, Hq, Lq, S, D, causal, mode) / nbytes
+                row["flop_per_byte"] = fpb
+                roof = [min(p, peak_for(pk, dtype) / fpb) for p in probes or [pk["read_gbs"]]]
+                row["roof_gbs"] = statistics.median(roof)
+                row["frac_roof"] = statistics.median(
+                    g / r for g, r in zip(row.get("round_gbs", [gbs]), roof))
         else:
             gf = flops(B, Hq, Lq, S, D, causal, mode) / med * 1e-9
             row["GFLOP/s"] = gf
@@ -533,6 +556,9 @@ def markdown(meta, rows):
     if base_name:
         head += [f"{p} vs {base_name}" for p in providers if p != base_name]
     head.append("flashsdpa % peak" if "flashsdpa" in providers else "% peak")
+    roofline = mode == "decode" and any(r.get("frac_roof") for r in rows)
+    if roofline:
+        head += ["roofline GB/s", "% roofline"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cases = {}
     for r in rows:
@@ -558,6 +584,9 @@ def markdown(meta, rows):
             (r for name, r in by_p.items() if name.startswith("flashsdpa")),
             next(iter(by_p.values())))
         cells.append(f"{100 * main['frac_peak']:.0f}%" if main.get("frac_peak") else "-")
+        if roofline:
+            cells += [f"{main['roof_gbs']:.1f}", f"{100 * main['frac_roof']:.0f}%"] \
+                if main.get("frac_roof") else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
     summary = []
     for (p, dt, causal), ss in sorted(speedups.items(), key=str):
@@ -575,6 +604,8 @@ def markdown(meta, rows):
                  + (" (median of all probes; each row's % peak: the median over its timing "
                     "rounds of the round's GB/s over the probe taken right after it)"
                     if meta.get("read_probes_gbs") else "")
+                 + ("; roofline: the lower of the read probe and the compute peak over the "
+                    "row's FLOPs per byte read (2 x Hq/Hkv / the element size)" if roofline else "")
                  ) if pk else "machine peak: not measured"
     where = f"{meta['gpu']} ({meta['device']})" if gpu else meta["cpu"]
     kernels = ("flashsdpa: Triton kernels" if gpu else

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench")
@@ -100,7 +101,12 @@ def test_bench_avx2_host_results_rendered(tmp_path):
     assert "--mode serving --tag serving_avx2_host --out-dir bench/results" in dry.stdout
     assert "--paths decode,e4m3_fast,near_pf,near_pf@kvcache --out bench/results/paths_avx2_host.json" in dry.stdout
     rendered = dry.stdout.split("report.py", 1)[1]
-    assert all(f"{m}_avx2_host.json" in rendered for m in ("fwd", "decode", "serving", "paths"))
+    # every AVX2 host's files (AVX2_HOST=avx2_host_<core> for another core's)
+    assert all(f"{m}_avx2_host*.json" in rendered for m in ("fwd", "decode", "serving", "paths"))
+    other = subprocess.run(["make", "-n", "-C", ROOT, "bench-avx2-host",
+                            "AVX2_HOST=avx2_host_zen1"], capture_output=True, text=True, timeout=60)
+    assert "--mode decode --tag decode_avx2_host_zen1 --out-dir" in other.stdout
+    assert "--out bench/results/paths_avx2_host_zen1.json" in other.stdout
     import report
     with open(os.path.join(BENCH, "results", "fwd.json")) as f:
         rows = json.load(f)["rows"][:2]
@@ -168,6 +174,16 @@ def test_bench_tiny_run(tmp_path, mode):
             assert min(r["round_gbs"]) * (1 - 1e-9) <= r["GB/s"] <= max(r["round_gbs"]) * (1 + 1e-9)
             want = statistics.median(g / p for g, p in zip(r["round_gbs"], probes[c]))
             assert abs(r["frac_peak"] - want) < 1e-9, r
+            # the roofline: each round's probe, or the compute peak over 2 Hq/Hkv FLOPs per
+            # element read, the lower; never above the probe, so frac_roof >= frac_peak
+            es = 4 if r["dtype"] == "float32" else 2
+            assert r["flop_per_byte"] == pytest.approx(2 * r["Hq"] / r["Hkv"] / es)
+            compute = bench_sdpa.peak_for(pk, getattr(torch, r["dtype"])) / r["flop_per_byte"]
+            roof = [min(p, compute) for p in probes[c]]
+            assert r["roof_gbs"] == pytest.approx(statistics.median(roof))
+            assert r["frac_roof"] == pytest.approx(
+                statistics.median(g / x for g, x in zip(r["round_gbs"], roof)))
+            assert r["frac_roof"] >= r["frac_peak"] * (1 - 1e-9)
     assert data["meta"]["cpu"] and data["meta"]["threads"] >= 1
     providers = {r["provider"] for r in data["rows"]}
     assert providers == {"flashsdpa", "torch_flash", "torch_math"}
@@ -177,6 +193,7 @@ def test_bench_tiny_run(tmp_path, mode):
     text = rendered_readme(tmp_path, tmp_path / f"{mode}.json",
                            "intro\n<!-- bench:begin -->\nold\n<!-- bench:end -->\nrest\n")
     assert "old" not in text and "rest" in text and "| shape" in text
+    assert ("% roofline" in text) == (mode == "decode")
 
 
 @pytest.mark.parametrize("mode", ["fwd", "train"])

@@ -418,25 +418,11 @@ def run(args):
     return finish_meta(meta, read_probes), rows
 
 
-def cpu_label():
-    """The CPU's brand string and, on Linux x86, its family and model: virtual machines often
-    report a bare brand ("AMD EPYC") for cores as different as Zen 1 and Zen 4."""
-    brand = _C.cpu_brand()
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
-                        if ":" in line)
-        ids = {k.strip(): v.strip() for k, v in info.items()}
-        return f"{brand} (family {ids['cpu family']} model {ids['model']})"
-    except (OSError, KeyError, ValueError):
-        return brand
-
-
 def host_meta(mode):
     """What every bench result records about where and with what it ran."""
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": cpu_label(),
+        "cpu": _C.cpu_brand(),
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,

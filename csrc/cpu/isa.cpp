@@ -240,18 +240,25 @@ int64_t decode_sub_bytes() {
 }
 
 std::string cpu_brand() {
+  // the first name the file gives, and on x86 the first family and model, which tell apart
+  // cores that a virtual machine names alike ("AMD EPYC" for Zen 1 and Zen 4)
   std::ifstream in("/proc/cpuinfo");
-  std::string line;
+  std::string line, name, family, model;
   while (std::getline(in, line)) {
     const auto colon = line.find(':');
     if (colon == std::string::npos) continue;
     const std::string key = line.substr(0, line.find_last_not_of(" \t", colon - 1) + 1);
-    if (key == "model name" || key == "Model" || key == "cpu model") {
-      const auto start = line.find_first_not_of(" \t", colon + 1);
-      return start == std::string::npos ? std::string() : line.substr(start);
-    }
+    const auto start = line.find_first_not_of(" \t", colon + 1);
+    const std::string value = start == std::string::npos ? std::string() : line.substr(start);
+    std::string* field = key == "model name" || key == "Model" || key == "cpu model" ? &name
+                         : key == "cpu family"                                     ? &family
+                         : key == "model"                                          ? &model
+                                                                                   : nullptr;
+    if (field && field->empty()) *field = value;
   }
-  return "unknown";
+  if (name.empty()) return "unknown";
+  if (family.empty() || model.empty()) return name;
+  return name + " (family " + family + " model " + model + ")";
 }
 
 const CpuTier* built_tier(Isa isa) {

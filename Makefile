@@ -64,19 +64,23 @@ FUZZ_SEED ?= 0
 fuzz: build
 	$(PY) tests/fuzz_sdpa.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
 
-# The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental;
-# native tiers only), and SANITIZE_TESTS run under it (libasan preloaded; Python's own leaks
-# are not reported). Any sanitizer report fails the run.
+# The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental),
+# with only the tiers this CPU runs (SAN_TIERS: what the regular build reports runnable; the
+# others' code could not execute under it), and SANITIZE_TESTS run under it (libasan preloaded;
+# Python's own leaks are not reported). Any sanitizer report fails the run.
 SANITIZE_TESTS ?= tests/test_as_pytorch.py tests/test_api.py tests/test_masks.py \
-	tests/test_varlen.py tests/test_kvcache.py tests/test_errors.py tests/test_fuzz.py
+	tests/test_varlen.py tests/test_kvcache.py tests/test_errors.py tests/test_fuzz.py \
+	tests/test_build.py::test_tier_table_matches_the_binary
 SAN_DIR := build-sanitize
-sanitize: $(EDITABLE)
+SAN_TIERS = $(shell $(PY) -c "from flashsdpa import _C; print(','.join(t['name'] for t in _C.tiers() if t['built'] and t['cpu_ok']))")
+sanitize: build
+	@test -n "$(SAN_TIERS)" || { echo "sanitize: no runnable tier reported by the build"; exit 1; }
 	mkdir -p $(SAN_DIR)
 	cp -a setup.py pyproject.toml README.md flashsdpa_autoload.py csrc flashsdpa kernels tests $(SAN_DIR)/
 	rm -f $(SAN_DIR)/flashsdpa/_C*.so
-	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 \
+	cd $(SAN_DIR) && FLASHSDPA_SANITIZE=1 FLASHSDPA_TIERS=$(SAN_TIERS) \
 	  ../$(PY) setup.py --quiet build_ext --inplace
-	cd $(SAN_DIR) && PYTHONPATH=$$PWD LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
+	cd $(SAN_DIR) && FLASHSDPA_TIERS=$(SAN_TIERS) PYTHONPATH=$$PWD LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ../$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) -k "not emu-"
 

@@ -13,8 +13,9 @@ The wheel requires the torch version it was built against (a C++ extension's ABI
 torch release).
 
 Environment: FLASHSDPA_EMULATED=1 adds the test-only emulated tiers (`make build` sets it; never
-in a release build), FLASHSDPA_DEBUG=1 keeps debug info (release builds are built without it and
-stripped), MAX_JOBS caps the parallel compile jobs (default: the CPU count).
+in a release build), FLASHSDPA_TIERS=portable,avx2 builds only those tiers (`make sanitize`),
+FLASHSDPA_DEBUG=1 keeps debug info (release builds are built without it and stripped), MAX_JOBS
+caps the parallel compile jobs (default: the CPU count).
 """
 import concurrent.futures
 import os
@@ -62,11 +63,26 @@ GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/plan.cpp", "csrc/driver.cpp", "csrc/rou
 TIER_SOURCE = "csrc/cpu/tier.cpp"  # compiled once per tier build below
 
 
-def tier_builds():
+# FLASHSDPA_TIERS=portable,avx2 builds only those rows of the table (and their emulated builds):
+# the rest are left out of the extension as on an architecture without them (their getters are
+# weak symbols; _C.tiers() reports them not built). `make sanitize` builds the tiers this CPU
+# runs, the only ones its tests can execute. portable is always built: every call can fall to it.
+ONLY_TIERS = os.environ.get("FLASHSDPA_TIERS", "").replace(",", " ").split()
+
+
+def tier_builds(only=ONLY_TIERS):
     """Tier builds from the table (csrc/cpu/tiers.def): build name -> compiler flags, for each row
-    this architecture builds, plus `<name>_emu` for the rows marked emulated when SIMDe is here."""
+    this architecture builds (of `only`, if given), plus `<name>_emu` for the rows marked
+    emulated when SIMDe is here."""
+    rows = tiers_def.rows()
+    unknown = sorted(set(only) - {r["name"] for r in rows})
+    if unknown:
+        sys.exit(f"flashsdpa: FLASHSDPA_TIERS names no tier {', '.join(unknown)} "
+                 f"(the rows of csrc/cpu/tiers.def: {', '.join(r['name'] for r in rows)})")
     builds = {}
-    for row in tiers_def.rows():
+    for row in rows:
+        if only and row["name"] not in only and row["name"] != "portable":
+            continue
         if row["arch"] == "any" or IS_X86:
             builds[row["name"]] = tiers_def.macros(row) + row["flags"]
         if row["emulated"] and EMULATE:

@@ -442,11 +442,12 @@ def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scal
     out = _poisoned(torch.empty((b, lq, hq, dv), dtype=_result_dtype(q.dtype), device=q.device))
     lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=q.device))
     if out.numel():  # (Dv >= 1: the callers' checks)
-        kv.attn_kvcache_combine_kernel[(b * hq * lq,)](
+        rows = b * hq * lq
+        blocks = configs.combine_config(rows, n_splits, dv)
+        kv.attn_kvcache_combine_kernel[(triton_cdiv(rows, blocks["BLOCK_R"]),)](
             out_p, lse_p, var.sinks if var.sinks is not None else lse_p, out, lse,
             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
-            hq, lq, n_splits, dv, HAS_SINKS=var.sinks is not None,
-            BLOCK_S=_next_pow2(n_splits), BLOCK_DV=_next_pow2(max(16, dv)))
+            hq, lq, n_splits, dv, rows, HAS_SINKS=var.sinks is not None, **blocks)
     return out.to(q.dtype), lse
 
 

@@ -157,34 +157,40 @@ def attn_kvcache_kernel(
 def attn_kvcache_combine_kernel(
     OutP, LseP, Sinks, Out, Lse,
     stride_ob, stride_om, stride_oh, stride_lb, stride_lh,
-    Hq, Lq, S, DV,
-    HAS_SINKS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Hq, Lq, S, DV, ROWS,
+    HAS_SINKS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
-    """The splits of one query row combined (one program per (b, h, i) row of the contiguous
-    (B, Hq, Lq, S[, DV]) partials): lse = log(sum_s e^lse_s (+ e^sink)), out = sum_s
-    e^(lse_s - lse) out_s, written in q's dtype at Out[b, i, h] and Lse[b, h, i]; a row with
-    nothing (no key, no sink) gets out 0, lse -inf. One launch instead of a chain of PyTorch
-    ops: decode's whole call is a few microseconds of reading."""
-    row = tl.program_id(0)
-    b = row // (Hq * Lq)
-    h = (row // Lq) % Hq
-    i = row % Lq
+    """The splits of BLOCK_R query rows combined (each program the next BLOCK_R of the ROWS
+    (b, h, i) rows of the contiguous (B, Hq, Lq, S[, DV]) partials): lse = log(sum_s e^lse_s
+    (+ e^sink)), out = sum_s e^(lse_s - lse) out_s, written in q's dtype at Out[b, i, h] and
+    Lse[b, h, i]; a row with nothing (no key, no sink) gets out 0, lse -inf. One launch instead
+    of a chain of PyTorch ops: decode's whole call is a few microseconds of reading."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < ROWS
+    b = rows // (Hq * Lq)
+    h = (rows // Lq) % Hq
+    i = rows % Lq
     offs_s = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    lse_s = tl.load(LseP + row.to(tl.int64) * S + offs_s, mask=offs_s < S, other=float("-inf"))
-    m = tl.max(lse_s, 0)
+    s_ok = row_ok[:, None] & (offs_s[None, :] < S)
+    lse_s = tl.load(LseP + rows[:, None] * S + offs_s[None, :], mask=s_ok, other=float("-inf"))
+    m = tl.max(lse_s, 1)
     if HAS_SINKS:
-        sink = tl.load(Sinks + h)
+        sink = tl.load(Sinks + h, mask=row_ok, other=float("-inf"))
         m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_s - m_safe)
-    total = tl.sum(w, 0)
+    w = tl.exp(lse_s - m_safe[:, None])
+    total = tl.sum(w, 1)
     if HAS_SINKS:
         total += tl.exp(sink - m_safe)
-    parts = tl.load(OutP + (row.to(tl.int64) * S + offs_s[:, None]) * DV + offs_dv[None, :],
-                    mask=(offs_s[:, None] < S) & (offs_dv[None, :] < DV), other=0.0)
-    out = tl.sum(w[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(Out + b * stride_ob + i * stride_om + h * stride_oh + offs_dv,
-             out.to(Out.dtype.element_ty), mask=offs_dv < DV)
+    parts = tl.load(OutP + (rows[:, None, None] * S + offs_s[None, :, None]) * DV
+                    + offs_dv[None, None, :],
+                    mask=s_ok[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0)
+    out = tl.sum(w[:, :, None] * parts, 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    dst = b * stride_ob + i * stride_om + h * stride_oh
+    tl.store(Out + dst[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(Lse + b * stride_lb + h * stride_lh + i,
-             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total)))
+             tl.where(total == 0.0, float("-inf"),
+                      m_safe + tl.log(tl.where(total == 0.0, 1.0, total))), mask=row_ok)

@@ -121,3 +121,19 @@ def kvcache_config(head_dim, rows):
         if backend == "xpu":
             opts["grf_mode"] = "256"
     return _with_override("FLASHSDPA_TRITON_KVCACHE", blocks, opts, backend)
+
+
+# The partials one program of the combine kernel holds (rows x splits x Dv): a row of 64 splits
+# (_triton.MAX_SPLITS) of Dv 128, as when it took one row a program.
+COMBINE_TILE = 64 * 128
+
+
+def combine_config(rows, splits, dv):
+    """BLOCK_R / BLOCK_S / BLOCK_DV of the KV-cache combine kernel for `rows` query rows of
+    `splits` partials of dv: as many rows a program as fit COMBINE_TILE (few splits of small
+    heads, as in chunked prefill: fewer, fuller programs), at least one."""
+    pow2 = lambda n: 1 << max(0, (int(n) - 1).bit_length())  # noqa: E731
+    block_s, block_dv = pow2(splits), pow2(max(16, dv))
+    fit = max(1, COMBINE_TILE // (block_s * block_dv))
+    return dict(BLOCK_R=min(pow2(rows), 1 << (fit.bit_length() - 1)), BLOCK_S=block_s,
+                BLOCK_DV=block_dv)

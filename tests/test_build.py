@@ -19,6 +19,9 @@ import tiers_def  # noqa: E402
 
 STRICT = os.environ.get("FLASHSDPA_STRICT") == "1"
 CROSS = "aarch64-linux-gnu-g++"
+# The tiers a FLASHSDPA_TIERS build was asked for (setup.py; `make sanitize` sets it for its build
+# and its tests): empty, every row.
+ONLY = set(os.environ.get("FLASHSDPA_TIERS", "").replace(",", " ").split())
 
 
 def test_tier_table_matches_the_binary():
@@ -26,10 +29,19 @@ def test_tier_table_matches_the_binary():
     tiers = _C.tiers()
     assert [r["name"] for r in rows] == [t["name"] for t in tiers]
     for r, t in zip(rows, tiers):
-        assert t["built"] == (r["arch"] == "any" or _C.cpu_features()["x86"]), r["name"]
+        asked = not ONLY or r["name"] in ONLY or r["name"] == "portable"
+        assert t["built"] == (asked and (r["arch"] == "any" or _C.cpu_features()["x86"])), r["name"]
         assert t["emulated"] == r["emulated"] and t["flags"] == " ".join(r["flags"])
         assert t["dtypes"] == (["bfloat16"] if r["dtypes"] == "BF16_ONLY"
                                else ["float32", "bfloat16", "float16"])
+
+
+def test_tiers_variable_naming_no_row_stops_the_build():
+    env = dict(os.environ, FLASHSDPA_TIERS="avx2,avx3")
+    res = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    assert "FLASHSDPA_TIERS names no tier avx3" in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("source", ["csrc/cpu/tier.cpp", "csrc/cpu/isa.cpp"])

@@ -98,8 +98,11 @@ def main(arch):
                       **blocks)
         compile_kernel(attention_kvcache.attn_kvcache_kernel, dtype, "u8" if fp8 else dtype,
                        consts, opts, target)
-        compile_kernel(attention_kvcache.attn_kvcache_combine_kernel, dtype, dtype,
-                       dict(HAS_SINKS=fp8, BLOCK_S=64, BLOCK_DV=d), dict(num_warps=4), target)
+        # the largest split count (one row a program) and a few splits (several rows)
+        for n_splits in (64, 4):
+            compile_kernel(attention_kvcache.attn_kvcache_combine_kernel, dtype, dtype,
+                           dict(HAS_SINKS=fp8, **configs.combine_config(rows * 64, n_splits, d)),
+                           dict(num_warps=4), target)
     print(f"sm_{arch} KV-cache kernels ({len(KVCACHE_CASES)} configurations) compiled")
 
 

@@ -533,10 +533,16 @@ def test_kvcache_against_reference(kv_route, spy, variant, block_size, lq, dtype
     assert spy["kvcache_forward"] == 1, spy
 
 
-def test_kvcache_splits_combine_to_one():
+@pytest.mark.parametrize("combine_tile", [None, 1], ids=["rows-a-program", "one-row-a-program"])
+def test_kvcache_splits_combine_to_one(monkeypatch, combine_tile):
     """The split-KV partials (each split's normalised output and lse, combined with the sinks)
     give the single-split result, whatever the split count; the interpreter's default splits a
-    150-key cache several ways."""
+    150-key cache several ways. The combine kernel with several rows a program (these small
+    heads) and with one (its tile at many splits of large heads, forced here)."""
+    from flashsdpa.kernels import configs
+    if combine_tile:
+        monkeypatch.setattr(configs, "COMBINE_TILE", combine_tile)
+    assert (configs.combine_config(6, 4, 16)["BLOCK_R"] > 1) == (combine_tile is None)
     q, kc, vc, _, _, kw = kvcache_tests.make_cache(torch.float32, 3, 0, causal=True, sinks=True,
                                                    alibi="BH")
     var = _triton.Variants(0, 0, True, (-1, -1), True, 0.0, _dev(kw["alibi"]), _dev(kw["sinks"]),

@@ -102,15 +102,6 @@ def build_base(rev):
     return sha, dest
 
 
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-        return platform.processor() or platform.machine()
-
-
 def describe_worktree():
     # untracked files count too: a new source the build compiles is part of "new"
     dirty = git("status", "--porcelain").splitlines()
@@ -165,7 +156,8 @@ def main(argv=None):
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
-    meta = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    meta = {"cpu": bs.flashsdpa._C.cpu_brand(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
             "base": f"{args.base} ({sha})", "new": describe_worktree(),
             "tiers": {n: {dt: m.cpu_isa(bs.DTYPES[dt]) for dt in bs.DTYPES}
                       for n, m in (("base", flashsdpa_base), ("new", bs.flashsdpa))}}

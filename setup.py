@@ -63,14 +63,11 @@ GENERIC_SOURCES = ["csrc/ops.cpp", "csrc/plan.cpp", "csrc/driver.cpp", "csrc/rou
 TIER_SOURCE = "csrc/cpu/tier.cpp"  # compiled once per tier build below
 
 
-# FLASHSDPA_TIERS=portable,avx2 builds only those rows of the table (and their emulated builds):
-# the rest are left out of the extension as on an architecture without them (their getters are
-# weak symbols; _C.tiers() reports them not built). `make sanitize` builds the tiers this CPU
-# runs, the only ones its tests can execute. portable is always built: every call can fall to it.
-ONLY_TIERS = os.environ.get("FLASHSDPA_TIERS", "").replace(",", " ").split()
-
-
-def tier_builds(only=ONLY_TIERS):
+# FLASHSDPA_TIERS=portable,avx2 builds only those rows of the table (and their emulated builds;
+# tiers_def.asked): the rest are left out of the extension as on an architecture without them
+# (their getters are weak symbols; _C.tiers() reports them not built). `make sanitize` builds
+# the tiers this CPU runs, the only ones its tests can execute.
+def tier_builds(only=tiers_def.requested()):
     """Tier builds from the table (csrc/cpu/tiers.def): build name -> compiler flags, for each row
     this architecture builds (of `only`, if given), plus `<name>_emu` for the rows marked
     emulated when SIMDe is here."""
@@ -81,7 +78,7 @@ def tier_builds(only=ONLY_TIERS):
                  f"(the rows of csrc/cpu/tiers.def: {', '.join(r['name'] for r in rows)})")
     builds = {}
     for row in rows:
-        if only and row["name"] not in only and row["name"] != "portable":
+        if not tiers_def.asked(row, only):
             continue
         if row["arch"] == "any" or IS_X86:
             builds[row["name"]] = tiers_def.macros(row) + row["flags"]

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .kernels.configs import interpreting  # (configs imports no Triton)
+from .kernels.configs import MAX_SPLITS, interpreting, next_pow2  # (configs imports no Triton)
 
 LOG2E = 1.4426950408889634
 
@@ -63,10 +63,6 @@ def _load_kernels(device):
         triton.set_allocator(alloc)
         _allocator_tls.device_type = device.type
     return _kernels
-
-
-def _next_pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _descriptor_ready(t):
@@ -242,8 +238,8 @@ def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv, packed):
     return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, HAS_LO=var.has_lo,
                 HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap), HAS_ALIBI=var.alibi is not None,
                 DROPOUT=dropout_p > 0, UPCAST=_upcast(dtype), PRECISION=_precision(dtype),
-                VARLEN=packed is not None, BLOCK_D=_next_pow2(max(16, d)),
-                BLOCK_DV=_next_pow2(max(16, dv)))
+                VARLEN=packed is not None, BLOCK_D=next_pow2(max(16, d)),
+                BLOCK_DV=next_pow2(max(16, dv)))
 
 
 def _finish(buf, dest):
@@ -376,9 +372,6 @@ def _multiprocessors(device):
     return 64
 
 
-MAX_SPLITS = 64
-
-
 def _kv_splits(device, programs, max_lk, block_n, splits=None):
     """(chunk, splits): keys per split (whole BLOCK_N tiles) and the split count, so that the
     grid holds ~4 programs per compute unit when the batch x kv heads x row tiles alone do not
@@ -436,8 +429,8 @@ def kvcache_forward(q, k_cache, v_cache, block_table, seqlens, max_lk, var, scal
             PAGED=paged, FP8=fp8, SCALE_PER_HEAD=int(fp8 and k_scale.numel() > 1),
             HAS_LO=var.has_lo, HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap),
             HAS_ALIBI=var.alibi is not None, UPCAST=_upcast(q.dtype),
-            PRECISION=_precision(q.dtype), BLOCK_D=_next_pow2(max(16, d)),
-            BLOCK_DV=_next_pow2(max(16, dv)), **blocks, **opts)
+            PRECISION=_precision(q.dtype), BLOCK_D=next_pow2(max(16, d)),
+            BLOCK_DV=next_pow2(max(16, dv)), **blocks, **opts)
     # the splits' combination, with the sinks as one more term of each row's softmax
     out = _poisoned(torch.empty((b, lq, hq, dv), dtype=_result_dtype(q.dtype), device=q.device))
     lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=q.device))

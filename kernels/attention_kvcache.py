@@ -187,10 +187,10 @@ def attn_kvcache_combine_kernel(
     parts = tl.load(OutP + (rows[:, None, None] * S + offs_s[None, :, None]) * DV
                     + offs_dv[None, None, :],
                     mask=s_ok[:, :, None] & (offs_dv[None, None, :] < DV), other=0.0)
-    out = tl.sum(w[:, :, None] * parts, 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    total_safe = tl.where(total == 0.0, 1.0, total)
+    out = tl.sum(w[:, :, None] * parts, 1) / total_safe[:, None]
     dst = b * stride_ob + i * stride_om + h * stride_oh
     tl.store(Out + dst[:, None] + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dv[None, :] < DV))
     tl.store(Lse + b * stride_lb + h * stride_lh + i,
-             tl.where(total == 0.0, float("-inf"),
-                      m_safe + tl.log(tl.where(total == 0.0, 1.0, total))), mask=row_ok)
+             tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)), mask=row_ok)

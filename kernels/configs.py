@@ -15,6 +15,9 @@ independent (the dK/dV and dQ kernels share nothing).
 import os
 
 _INT_KEYS = {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+# Splits of a KV-cache call at most (_triton._kv_splits): the combine kernel holds a row's splits
+# x Dv in registers.
+MAX_SPLITS = 64
 _BLOCK_KEYS = {"BLOCK_M", "BLOCK_N"}
 
 
@@ -115,7 +118,7 @@ def kvcache_config(head_dim, rows):
     if backend == "interpreter":
         blocks, opts = dict(BLOCK_M=16 if rows <= 16 else 32, BLOCK_N=16), {}
     else:
-        bm = min(64, max(16, 1 << max(0, (rows - 1).bit_length())))
+        bm = min(64, max(16, next_pow2(rows)))
         blocks = dict(BLOCK_M=bm, BLOCK_N=64 if head_dim <= 128 else 32)
         opts = dict(num_warps=4, num_stages=2)
         if backend == "xpu":
@@ -123,17 +126,21 @@ def kvcache_config(head_dim, rows):
     return _with_override("FLASHSDPA_TRITON_KVCACHE", blocks, opts, backend)
 
 
-# The partials one program of the combine kernel holds (rows x splits x Dv): a row of 64 splits
-# (_triton.MAX_SPLITS) of Dv 128, as when it took one row a program.
-COMBINE_TILE = 64 * 128
+def next_pow2(n):
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# The partials one program of the combine kernel holds (rows x splits x Dv): a row of
+# MAX_SPLITS splits of Dv 128, as when it took one row a program.
+COMBINE_TILE = MAX_SPLITS * 128
 
 
 def combine_config(rows, splits, dv):
     """BLOCK_R / BLOCK_S / BLOCK_DV of the KV-cache combine kernel for `rows` query rows of
     `splits` partials of dv: as many rows a program as fit COMBINE_TILE (few splits of small
     heads, as in chunked prefill: fewer, fuller programs), at least one."""
-    pow2 = lambda n: 1 << max(0, (int(n) - 1).bit_length())  # noqa: E731
-    block_s, block_dv = pow2(splits), pow2(max(16, dv))
+    block_s, block_dv = next_pow2(splits), next_pow2(max(16, dv))
     fit = max(1, COMBINE_TILE // (block_s * block_dv))
-    return dict(BLOCK_R=min(pow2(rows), 1 << (fit.bit_length() - 1)), BLOCK_S=block_s,
+    return dict(BLOCK_R=min(next_pow2(rows), 1 << (fit.bit_length() - 1)), BLOCK_S=block_s,
                 BLOCK_DV=block_dv)

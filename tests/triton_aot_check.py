@@ -99,7 +99,7 @@ def main(arch):
         compile_kernel(attention_kvcache.attn_kvcache_kernel, dtype, "u8" if fp8 else dtype,
                        consts, opts, target)
         # the largest split count (one row a program) and a few splits (several rows)
-        for n_splits in (64, 4):
+        for n_splits in (configs.MAX_SPLITS, 4):
             compile_kernel(attention_kvcache.attn_kvcache_combine_kernel, dtype, dtype,
                            dict(HAS_SINKS=fp8, **configs.combine_config(rows * 64, n_splits, d)),
                            dict(num_warps=4), target)

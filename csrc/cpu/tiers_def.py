@@ -24,6 +24,18 @@ def rows():
     return found
 
 
+def requested():
+    """The tier names FLASHSDPA_TIERS gives ("portable,avx2"; setup.py, `make sanitize`): the
+    rows a build holds besides portable. Empty: every row."""
+    return set(os.environ.get("FLASHSDPA_TIERS", "").replace(",", " ").split())
+
+
+def asked(row, only):
+    """Whether a build restricted to `only` (requested()) holds this row: portable always (every
+    call can fall to it)."""
+    return not only or row["name"] in only or row["name"] == "portable"
+
+
 def macros(row):
     """The -D flags that make csrc/cpu/tier.cpp this row's tier."""
     return [f"-DFLASHSDPA_TIER={row['name']}", f"-DFLASHSDPA_TIER_HEADER={row['header']}",

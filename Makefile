@@ -52,10 +52,10 @@ build: $(EDITABLE) simde
 test: build
 	$(PY) -m pytest -q tests
 
-# Everything: the suite with every case on the emulated tiers too (`make test` runs a
-# representative subset there; tests/conftest.py), the long fuzzer run, the sanitizer build with
-# its subset, the 5-minute thread stress run.
-test-all: export FLASHSDPA_EMULATED_TESTS = all
+# Everything: the suite with every case on the emulated tiers and under the Triton interpreter
+# too (`make test` runs a covering subset there; tests/conftest.py), the long fuzzer run, the
+# sanitizer build with its subset, the 5-minute thread stress run.
+test-all: export FLASHSDPA_TESTS = all
 test-all: test fuzz sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.

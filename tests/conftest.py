@@ -5,6 +5,7 @@ The error rule (flash-attention's): measured against an fp64 reference,
     max|ours - ref|  <=  2 * max|torch_same_dtype - ref|  +  ATOL[dtype] * max(1, max|ref|)
 where torch_same_dtype is PyTorch's own SDPA on the same inputs in the same dtype.
 """
+import itertools
 import math
 import os
 import subprocess
@@ -78,40 +79,67 @@ def tier(request):
             yield name
 
 
-# `make test` runs every test on each native tier but only a representative subset on the
-# emulated tiers (SIMDe executes them 5-20x slower, and the native tiers already run the same
-# test bodies): per test function and emulated tier, the cases that together take every value of
-# every other parameter at least once. FLASHSDPA_EMULATED_TESTS=all (`make test-all`) runs them all.
-EMULATED_TESTS = os.environ.get("FLASHSDPA_EMULATED_TESTS", "subset")
-if EMULATED_TESTS not in ("subset", "all"):
-    raise pytest.UsageError(
-        f"FLASHSDPA_EMULATED_TESTS={EMULATED_TESTS!r}: expected 'subset' or 'all'")
+# `make test` runs every case of every test, except where a case is slow and a product of
+# parameters repeats what other cases already run; there it runs a covering subset:
+# - on the emulated tiers (SIMDe executes them 5-20x slower, and the native tiers run the same test
+#   bodies): per test function and tier, cases that together take every value of every parameter;
+# - under the Triton interpreter (tests marked `interpreted`: test_triton.py without a GPU; every
+#   case on a GPU): per test function, cases that together take every pair of values of any two
+#   parameters (interactions such as a cache's block size with the query count).
+# FLASHSDPA_TESTS=all (`make test-all`) runs every case.
+ALL_TESTS = os.environ.get("FLASHSDPA_TESTS", "subset")
+if ALL_TESTS not in ("subset", "all"):
+    raise pytest.UsageError(f"FLASHSDPA_TESTS={ALL_TESTS!r}: expected 'subset' or 'all'")
 
 
-def emulated_subset(items):
-    """The items to keep: all that do not run on an emulated tier, and for each (test function,
-    emulated tier) the first cases, in collection order, that take a (parameter, value) pair no
-    earlier kept case took (so each value of each parameter runs on each emulated tier)."""
-    covered, keep = {}, []
+def _params(item):
+    return getattr(getattr(item, "callspec", None), "params", {})
+
+
+def coverage_group(item):
+    """(the set of cases an item's case belongs to, how many parameters' values each combination
+    of that set's kept cases must cover), or None for a case that always runs."""
+    tier = str(_params(item).get("tier", ""))
+    if tier.startswith("emu-"):
+        return (item.module.__name__, item.originalname, tier), 1
+    if item.get_closest_marker("interpreted") is not None:
+        return (item.module.__name__, item.originalname), 2
+    return None
+
+
+def covering_subset(items, group=coverage_group):
+    """The items to keep: those group() gives None, and for each group the cases that together
+    take every combination of `strength` (parameter, value) pairs its cases take (all parameters
+    but the tier; every value when a test has fewer parameters than that). Greedy: the case that
+    covers most combinations not yet covered first, ties to the earlier in collection order."""
+    groups, keep = {}, set()
     for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if not str(params.get("tier", "")).startswith("emu-"):
-            keep.append(item)
+        how = group(item)
+        if how is None:
+            keep.add(id(item))
             continue
-        key = (item.module.__name__, item.originalname, params["tier"])
-        first = key not in covered
-        seen = covered.setdefault(key, set())
-        pairs = {(k, repr(v)) for k, v in params.items() if k != "tier"}
-        if first or not pairs <= seen:
-            seen |= pairs
-            keep.append(item)
-    return keep
+        key, strength = how
+        params = sorted((k, repr(v)) for k, v in _params(item).items() if k != "tier")
+        combos = set(itertools.combinations(params, min(strength, len(params))))
+        groups.setdefault(key, []).append((item, combos))
+    for cases in groups.values():
+        need = set().union(*(combos for _, combos in cases))
+        while need:
+            item, combos = max(cases, key=lambda case: len(case[1] & need))
+            keep.add(id(item))
+            need -= combos
+    return [item for item in items if id(item) in keep]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreted: the test runs its kernels under the Triton "
+                            "interpreter (`make test` runs a pairwise subset of its cases)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if EMULATED_TESTS == "all":
+    if ALL_TESTS == "all":
         return
-    keep = emulated_subset(items)
+    keep = covering_subset(items)
     if len(keep) < len(items):
         kept = set(map(id, keep))
         config.hook.pytest_deselected(items=[i for i in items if id(i) not in kept])

@@ -57,23 +57,37 @@ def test_portable_sources_compile_for_aarch64(tmp_path, source):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_emulated_subset_covers_every_value_on_every_emulated_tier():
+def test_covering_subset_takes_every_value_on_emulated_tiers_and_every_pair_interpreted():
+    import itertools
     from types import SimpleNamespace as NS
-    from conftest import emulated_subset
+    from conftest import covering_subset
 
-    def item(name, **params):
-        return NS(module=NS(__name__="m"), originalname=name, callspec=NS(params=params))
+    def item(test, interpreted=False, **params):
+        return NS(module=NS(__name__="m"), originalname=test, callspec=NS(params=params),
+                  get_closest_marker=lambda mark: object() if interpreted else None)
+
+    def pairs(cases):
+        return {((a, p[a]), (b, p[b])) for p in cases for a, b in itertools.combinations(p, 2)}
 
     grid = [item("f", tier=t, dtype=d, L=L)
             for t in ("avx2", "emu-amx", "emu-avx512")
             for d in ("fp32", "bf16") for L in (1, 17, 97)]
     grid += [item("g", tier="emu-amx"), item("g", tier="emu-amx"), item("h")]
-    keep = emulated_subset(grid)
+    kv = [item("kv", True, variant=a, block=b, lq=c, dtype=d)
+          for a in ("causal", "window", "alibi") for b in (None, 16, 7) for c in (1, 4, 40)
+          for d in ("fp32", "bf16", "fp16")]
+    two = [item("two", True, case=n, dtype=d) for n in "abcd" for d in ("fp32", "bf16")]
+    keep = covering_subset(grid + kv + two)
     assert [i for i in grid if i.callspec.params.get("tier") == "avx2"] == \
         [i for i in keep if i.callspec.params.get("tier") == "avx2"]  # native: every case
     for t in ("emu-amx", "emu-avx512"):
         kept = [i.callspec.params for i in keep
                 if i.originalname == "f" and i.callspec.params["tier"] == t]
         assert {p["dtype"] for p in kept} == {"fp32", "bf16"} and {p["L"] for p in kept} == {1, 17, 97}
-        assert len(kept) == 4  # first-fit: fp32 x (1, 17, 97), then (bf16, 1)
+        assert len(kept) == 3  # (fp32, 1), (bf16, 17), then (fp32, 97): each adds a value
     assert sum(i.originalname == "g" for i in keep) == 1 and grid[-1] in keep
+    kept = [i.callspec.params for i in keep if i.originalname == "kv"]
+    assert pairs(kept) == pairs([i.callspec.params for i in kv])
+    assert len(kept) == 9  # of 81: the least a pairwise cover of four 3-valued parameters takes
+    assert [i for i in keep if i.originalname == "two"] == two  # two parameters: every pair
+    assert keep == [i for i in grid + kv + two if i in keep]  # collection order kept

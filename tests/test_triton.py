@@ -38,6 +38,7 @@ INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py wi
 DEVICE = "cpu" if INTERPRETER else GPU
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETER, reason="the CPU stand-in for the XPU key runs the kernels in the interpreter")
+pytestmark = [pytest.mark.interpreted] if INTERPRETER else []
 
 import flashsdpa  # noqa: E402
 from flashsdpa import _C, _gpu as gpu, _triton  # noqa: E402

@@ -653,10 +653,9 @@ struct Avx2Ops : GenericOps {
     pv_rows<Chunk16<T>>(v, nk, Dv, p, ldp, M, acc, ldacc);
   }
 
-  // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R <= 6 rows and G keys,
-  // a 16-dim chunk at a time: 2R accumulators, each V chunk loaded and widened once for every
-  // row. The R x G weights are broadcast once, for all the chunks (those that do not stay in
-  // registers are read from the stack as the FMAs' operand, rather than broadcast again).
+  // acc[i][0, D16) (in C's chunk order) += sum_{u < G} p[i][u] v_u for R rows and G keys, a
+  // 16-dim chunk at a time: 2R accumulators, each V chunk loaded and widened once for the R
+  // rows. The R x G weights are broadcast once, for all the chunks.
   template <class C, int R, int G, class T>
   static inline void pv_keys(const T* const* vg, int D16, const float* p, int ldp, float* acc,
                              int ldacc) {
@@ -693,9 +692,13 @@ struct Avx2Ops : GenericOps {
   }
 
   // decode_pv: acc[r] += sum_j p[r][j] v_j, V widened in registers by C (bf16 / fp16 never
-  // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in groups
-  // of up to 6. acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
+  // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in pairs
+  // (kPvRows). acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
   // after (GenericOps).
+  // Pairs: 2 rows x 4 keys keep their 8 weights, 4 accumulators and a V chunk in 14 of the 16
+  // registers. Larger groups (4 x 4: 16 weights) spill the weights, and each FMA then reads one
+  // from the stack: more loads than the V chunk widened again for each pair costs.
+  static constexpr int kPvRows = 2;
   template <class C, class Rows, class T = typename Rows::Elem>
   static void pv_rows(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
                       float* acc, int ldacc) {
@@ -709,8 +712,8 @@ struct Avx2Ops : GenericOps {
         vg[u] = c.row();
         if (pf) prefetch_key(c, v, 0, Dv * int(sizeof(T)));
       }
-      for (int r = 0; r < M; r += 6)
-        with_rows<6>(M - r < 6 ? M - r : 6, [&](auto rows) {
+      for (int r = 0; r < M; r += kPvRows)
+        with_rows<kPvRows>(M - r < kPvRows ? M - r : kPvRows, [&](auto rows) {
           pv_keys<C, decltype(rows)::value, G>(vg, D16, p + int64_t(r) * ldp + j, ldp,
                                                acc + int64_t(r) * ldacc, ldacc);
         });

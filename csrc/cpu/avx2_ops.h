@@ -67,12 +67,18 @@ inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
 // the shuffle pipe). Other types: elements 0-7 and 8-15 (load8x2).
 // The decode path keeps q's rows and the accumulators in that order (Avx2Ops::decode_to_order:
 // to_order, and add_natural back). kPScale: what P V multiplies its weights by (pv_keys), the
-// unit a chunk's widening leaves out of V where it is not folded into the scales.
+// unit a chunk's widening leaves out of V where it is not folded into the scales. kPvRows: the
+// query rows P V takes at a time (pv_rows), by what widening a chunk costs: where it costs
+// little (fp32: none; bf16: 2 uops), pairs, whose weights and accumulators stay in registers;
+// where it costs more (fp16, float8), groups of up to 6, which widen each V chunk once for
+// more rows though their weights spill (pairs there: 6% slower with fp16, 13% with float8, GQA
+// 4 decode on a Zen 1).
 template <class T>
 struct Chunk16 {
   using Elem = T;
   static constexpr bool kPaired = false;
   static constexpr float kPScale = 1.0f;
+  static constexpr int kPvRows = std::is_same<T, float>::value ? 2 : 6;
   static inline void load(const T* p, __m256* lo, __m256* hi) { load8x2(p, lo, hi); }
   static inline void add_natural(float* acc, __m256 lo, __m256 hi) {
     _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), lo));
@@ -84,6 +90,7 @@ struct Chunk16<bf16_t> {
   using Elem = bf16_t;
   static constexpr bool kPaired = true;
   static constexpr float kPScale = 1.0f;
+  static constexpr int kPvRows = 2;
   static inline void load(const bf16_t* p, __m256* even, __m256* odd) {
     const __m256 x = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     *even = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 16));
@@ -692,13 +699,13 @@ struct Avx2Ops : GenericOps {
   }
 
   // decode_pv: acc[r] += sum_j p[r][j] v_j, V widened in registers by C (bf16 / fp16 never
-  // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in pairs
-  // (kPvRows). acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
+  // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in groups
+  // of C::kPvRows. acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
   // after (GenericOps).
   // Pairs: 2 rows x 4 keys keep their 8 weights, 4 accumulators and a V chunk in 14 of the 16
   // registers. Larger groups (4 x 4: 16 weights) spill the weights, and each FMA then reads one
-  // from the stack: more loads than the V chunk widened again for each pair costs.
-  static constexpr int kPvRows = 2;
+  // from the stack, which costs more than widening each V chunk again for each pair, unless the
+  // widening itself is expensive (Chunk16::kPvRows).
   template <class C, class Rows, class T = typename Rows::Elem>
   static void pv_rows(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
                       float* acc, int ldacc) {
@@ -712,8 +719,9 @@ struct Avx2Ops : GenericOps {
         vg[u] = c.row();
         if (pf) prefetch_key(c, v, 0, Dv * int(sizeof(T)));
       }
-      for (int r = 0; r < M; r += kPvRows)
-        with_rows<kPvRows>(M - r < kPvRows ? M - r : kPvRows, [&](auto rows) {
+      constexpr int kR = C::kPvRows;
+      for (int r = 0; r < M; r += kR)
+        with_rows<kR>(M - r < kR ? M - r : kR, [&](auto rows) {
           pv_keys<C, decltype(rows)::value, G>(vg, D16, p + int64_t(r) * ldp + j, ldp,
                                                acc + int64_t(r) * ldacc, ldacc);
         });

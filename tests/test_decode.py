@@ -38,9 +38,9 @@ def test_decode_q_lens(tier, lq, dtype):
 def test_decode_row_groups(tier, group, lq, dtype, D):
     """Folded row counts M = group * lq that leave every remainder of the 4-row Q.K kernel and
     of the P.V kernels' row groups (AVX2: pairs for fp32 / bf16, 6 for fp16 / float8; AVX-512:
-    6), with head dims that end in a partial vector or take every pass
-    width of the P.V kernels (128 / 64 / 32 / 16 dims, then the rest). 701 keys: the last
-    block has an odd key count (the bf16 P.V kernel takes keys in pairs)."""
+    6), with head dims that end in a partial vector or take every pass width of the P.V kernels
+    (128 / 64 / 32 / 16 dims, then the rest). 701 keys: the last block has an odd key count
+    (the bf16 P.V kernel takes keys in pairs)."""
     q, k, v = make_qkv(1, 2 * group, 2, lq, 701, D, dtype=dtype, seed=group * 10 + lq)
     assert decode_ran(lambda: flashsdpa.scaled_dot_product_attention(q, k, v, enable_gqa=True))
     check_forward_backward(q, k, v, dtype, f"{tier} decode M={group * lq} D={D}",

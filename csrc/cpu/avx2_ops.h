@@ -69,10 +69,10 @@ inline void load8x2(const e4m3_t* p, __m256* lo, __m256* hi) {
 // to_order, and add_natural back). kPScale: what P V multiplies its weights by (pv_keys), the
 // unit a chunk's widening leaves out of V where it is not folded into the scales. kPvRows: the
 // query rows P V takes at a time (pv_rows), by what widening a chunk costs: where it costs
-// little (fp32: none; bf16: 2 uops), pairs, whose weights and accumulators stay in registers;
-// where it costs more (fp16, float8), groups of up to 6, which widen each V chunk once for
-// more rows though their weights spill (pairs there: 6% slower with fp16, 13% with float8, GQA
-// 4 decode on a Zen 1).
+// little (fp32: none; bf16: 2 uops), pairs, whose 8 weights, 4 accumulators and V chunk stay in
+// 14 of the 16 registers; where it costs more (fp16, float8), groups of up to 6, which widen
+// each V chunk once for more rows though their weights spill (each FMA then reads one from the
+// stack).
 template <class T>
 struct Chunk16 {
   using Elem = T;
@@ -702,10 +702,6 @@ struct Avx2Ops : GenericOps {
   // take a slow GEMM): keys in groups (pv_keys; each V row's lines prefetched), rows in groups
   // of C::kPvRows. acc's rows in the decode order (decode_to_order), the last Dv % 16 dims done
   // after (GenericOps).
-  // Pairs: 2 rows x 4 keys keep their 8 weights, 4 accumulators and a V chunk in 14 of the 16
-  // registers. Larger groups (4 x 4: 16 weights) spill the weights, and each FMA then reads one
-  // from the stack, which costs more than widening each V chunk again for each pair, unless the
-  // widening itself is expensive (Chunk16::kPvRows).
   template <class C, class Rows, class T = typename Rows::Elem>
   static void pv_rows(const Rows& v, int nk, int Dv, const float* p, int ldp, int M,
                       float* acc, int ldacc) {

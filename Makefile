@@ -146,8 +146,9 @@ bench-ab: build
 hw-check:
 	bench/hw_check.sh
 
+# The README's tables alone, from the results already in bench/results (no bench run).
 readme-table:
-	$(PY) bench/report.py --readme README.md --plots bench/results bench/results/*.json
+	$(REPORT)
 
 clean:
 	rm -rf build *.egg-info flashsdpa/_C*.so bench/.build

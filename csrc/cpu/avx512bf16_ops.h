@@ -390,8 +390,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
   // With `prefetch`, each row's lines its row source names (pf_row), as the widening path does.
-  // The accumulators of R rows x C chunks from d0, in unpack order (and back); always inlined,
-  // so that they stay in registers (called out of line, they went through memory).
+  // The accumulators of R rows x C chunks from d0, in unpack order (and back). These helpers
+  // and pair_step / pair_dots take the accumulators as arrays: always inlined, so that they
+  // stay in registers (out of line they go through memory: bf16 MHA decode ran at half speed).
   template <int R, int C>
   __attribute__((always_inline)) static inline void load_pair_acc(
       const float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {
@@ -422,8 +423,9 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // One pair of keys: x[c] / y[c] the bf16 words of the two V rows' chunk c; pwj[r * ldpw] the
   // bf16 pair of row r's P.
   template <int R, int C>
-  static inline void pair_step(const __m512i* x, const __m512i* y, const uint32_t* pwj, int ldpw,
-                               __m512 (*lo)[C], __m512 (*hi)[C]) {
+  __attribute__((always_inline)) static inline void pair_step(const __m512i* x, const __m512i* y,
+                                                             const uint32_t* pwj, int ldpw,
+                                                             __m512 (*lo)[C], __m512 (*hi)[C]) {
     __m512i ul[C], uh[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
@@ -434,8 +436,10 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   }
   // The pair's words already in unpack order (ul[c] / uh[c]: what pair_step's unpacks give).
   template <int R, int C>
-  static inline void pair_dots(const __m512i* ul, const __m512i* uh, const uint32_t* pwj,
-                               int ldpw, __m512 (*lo)[C], __m512 (*hi)[C]) {
+  __attribute__((always_inline)) static inline void pair_dots(const __m512i* ul,
+                                                             const __m512i* uh,
+                                                             const uint32_t* pwj, int ldpw,
+                                                             __m512 (*lo)[C], __m512 (*hi)[C]) {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(int(pwj[int64_t(r) * ldpw]));
@@ -452,17 +456,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
                               int ldpw, float* acc, int ldacc, int d0, bool prefetch) {
     __m512 lo[R][C], hi[R][C];
     load_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
-    const auto step = [&](const uint16_t* va, const uint16_t* vb, int jp) {
-      __m512i x[C], y[C];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        x[c] = _mm512_loadu_si512(va + 32 * c);
-        y[c] = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
-      }
-      pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
-    };
     prefetch = prefetch && prefetches_at(v, d0);
-    const int np = nk / 2;
+    const int np = (nk + 1) / 2;
     const int64_t at = 2 * int64_t(d0);  // (bytes)
     auto c = v.cursor();
     const auto take = [&] {  // the cursor's row from d0, prefetching as asked; then the next key
@@ -471,11 +466,19 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
       c.next();
       return r;
     };
+    // (one loop body, no step function: called twice, GCC kept it out of line, with the
+    // accumulators in memory)
     for (int jp = 0; jp < np; ++jp) {
       const uint16_t* va = take();
-      step(va, take(), jp);
+      const uint16_t* vb = 2 * jp + 1 < nk ? take() : nullptr;  // the last key: pair (V, 0)
+      __m512i x[C], y[C];
+#pragma GCC unroll 4
+      for (int u = 0; u < C; ++u) {
+        x[u] = _mm512_loadu_si512(va + 32 * u);
+        y[u] = vb ? _mm512_loadu_si512(vb + 32 * u) : _mm512_setzero_si512();
+      }
+      pair_step<R, C>(x, y, pw + jp, ldpw, lo, hi);
     }
-    if (nk & 1) step(take(), nullptr, np);  // the last key: pair (V, 0)
     store_pair_acc<R, C>(acc, ldacc, d0, lo, hi);
   }
 

@@ -372,52 +372,55 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // both keys' terms for 16 dims. Per pair of keys and 32 dims: 2 loads and 2 unpacks shared by
   // all R rows, then 2 vdpbf16ps per row (the widening path: 4 widened loads + 8 FMAs per row).
   // Unpacking works within 128-bit lanes, so a chunk's accumulators hold its 32 dims in unpack
-  // order - lo lane k is dim 8 (k / 4) + k % 4, hi lane k that + 4 - and are permuted once per
-  // call, on load and store.
-  static inline __m512i pv_idx_lo() {
-    return _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  }
-  static inline __m512i pv_idx_hi() {
-    return _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  }
-  // the inverse: natural dims 0..15 and 16..31 from (lo, hi) (index bit 4 selects hi)
-  static inline __m512i pv_idx_out0() {
-    return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  }
-  static inline __m512i pv_idx_out1() {
-    return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  // order - lo lane k is dim 8 (k / 4) + k % 4, hi lane k that + 4. The split's accumulator rows
+  // (FlashDecode::split: zeroed, scaled by the softmax, added to by every P V call) keep that
+  // order, 32 dims at a time over [0, Dv & ~31), for the whole item; decode_to_natural puts them
+  // back once at its end (permuting them on each call's load and store instead cost more than
+  // the products where calls are a few keys each: the sub-blocks of a (.., L, Hkv, D) cache).
+  // Q's rows stay in natural order (decode_to_order: none).
+  template <class KV>
+  static void decode_to_natural(float* x, int n) {
+    if constexpr (std::is_same<KV, bf16_t>::value || std::is_same<KV, e4m3_t>::value) {
+      // natural dims 0..15 and 16..31 from (lo, hi) (index bit 4 selects hi)
+      const __m512i o0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i o1 =
+          _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      for (int d = 0; d + 32 <= n; d += 32) {
+        const __m512 lo = _mm512_loadu_ps(x + d), hi = _mm512_loadu_ps(x + d + 16);
+        _mm512_storeu_ps(x + d, _mm512_permutex2var_ps(lo, o0, hi));
+        _mm512_storeu_ps(x + d + 16, _mm512_permutex2var_ps(lo, o1, hi));
+      }
+    }
   }
 
   // R rows x C chunks of 32 dims from d0; pw[r * ldpw + jp] = bf16 pair (p[r][2jp], p[r][2jp+1]).
   // With `prefetch`, each row's lines its row source names (pf_row), as the widening path does.
-  // The accumulators of R rows x C chunks from d0, in unpack order (and back). These helpers
-  // and pair_step / pair_dots take the accumulators as arrays: always inlined, so that they
-  // stay in registers (out of line they go through memory: bf16 MHA decode ran at half speed).
+  // The accumulators of R rows x C chunks from d0 (in unpack order) to registers and back. These
+  // helpers and pair_step / pair_dots take the accumulators as arrays: always inlined, so that
+  // they stay in registers (out of line they go through memory: bf16 MHA decode ran at half
+  // speed).
   template <int R, int C>
   __attribute__((always_inline)) static inline void load_pair_acc(
       const float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {
-    const __m512i il = pv_idx_lo(), ih = pv_idx_hi();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
-        const __m512 n0 = _mm512_loadu_ps(a), n1 = _mm512_loadu_ps(a + 16);
-        lo[r][c] = _mm512_permutex2var_ps(n0, il, n1);
-        hi[r][c] = _mm512_permutex2var_ps(n0, ih, n1);
+        lo[r][c] = _mm512_loadu_ps(a);
+        hi[r][c] = _mm512_loadu_ps(a + 16);
       }
   }
   template <int R, int C>
   __attribute__((always_inline)) static inline void store_pair_acc(
       float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {
-    const __m512i o0 = pv_idx_out0(), o1 = pv_idx_out1();
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         float* a = acc + int64_t(r) * ldacc + d0 + 32 * c;
-        _mm512_storeu_ps(a, _mm512_permutex2var_ps(lo[r][c], o0, hi[r][c]));
-        _mm512_storeu_ps(a + 16, _mm512_permutex2var_ps(lo[r][c], o1, hi[r][c]));
+        _mm512_storeu_ps(a, lo[r][c]);
+        _mm512_storeu_ps(a + 16, hi[r][c]);
       }
   }
   // One pair of keys: x[c] / y[c] the bf16 words of the two V rows' chunk c; pwj[r * ldpw] the

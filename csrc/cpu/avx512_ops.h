@@ -202,7 +202,7 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int kBlockQ = 192;
   static constexpr int kBlockQBwd = 96;
   static constexpr int kLightVEvery = GenericOps::kLightVEvery;  // P V: a row in one pass (pv_zmm)
-  // (its decode prefetches a block ahead, as measured on Zen 4: near ones not measured there)
+  // (its decode prefetches a block ahead: near ones were slower on Zen 4, in every decode case)
   static constexpr bool kDecodeNearPf = false;
   using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false,

@@ -397,8 +397,7 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // With `prefetch`, each row's lines its row source names (pf_row), as the widening path does.
   // The accumulators of R rows x C chunks from d0 (in unpack order) to registers and back. These
   // helpers and pair_step / pair_dots take the accumulators as arrays: always inlined, so that
-  // they stay in registers (out of line they go through memory: bf16 MHA decode ran at half
-  // speed).
+  // they stay in registers (out of line they go through memory on every key pair).
   template <int R, int C>
   __attribute__((always_inline)) static inline void load_pair_acc(
       const float* acc, int ldacc, int d0, __m512 (*lo)[C], __m512 (*hi)[C]) {

@@ -511,9 +511,10 @@ struct GenericOps {
 
 
   // ---- short-query (decode) kernels: K and V rows read in place, no packing ---------------------
-  // The order of the dims in which the decode kernels over a KV cache take q's rows and keep the
-  // accumulators (FlashDecode puts q in it once per item, and the accumulators back when it
-  // writes its partials): natural here.
+  // The orders of the dims in which the decode kernels over a KV cache take q's rows
+  // (decode_to_order: FlashDecode puts q in it once per item) and keep the accumulators
+  // (decode_to_natural: FlashDecode puts them back when it writes its partials); the two may
+  // differ (Avx512Bf16DecodeOps: q natural, accumulators in unpack order). Natural here.
   template <class KV>
   static void decode_to_order(float*, int) {}
   template <class KV>

@@ -37,6 +37,7 @@ PATHS = {
     "e4m3_fast": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
     "near_pf": ("decode", (1, 32, 8, 16384, 128), torch.bfloat16, False),
     "near_pf@kvcache": ("decode-kvcache", (1, 32, 8, 16384, 128), torch.bfloat16, False),
+    "pv_whole": ("decode-kvcache", (1, 32, 8, 16384, 128), torch.bfloat16, False),
 }
 WHAT = {
     "transposed": "S^T = K Q^T, K and V read in place (no K^T / V panels)",
@@ -52,6 +53,7 @@ WHAT = {
     "e4m3_fast": "a float8 cache widened without F16C's conversion (avx2)",
     "near_pf": "decode prefetches a sub-block ahead, non-temporal, not a block ahead into L2",
     "near_pf@kvcache": "the same over flash-attn's (B, L, Hkv, D) cache (flash_attn_with_kvcache)",
+    "pv_whole": "(B, L, Hkv, D) cache: P V per kv head over a block, not a sub-block across heads",
 }
 
 

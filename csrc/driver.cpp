@@ -168,6 +168,7 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
     seg[s].fp16_pv = pol.fp16_pv;
     seg[s].e4m3_fast = pol.e4m3_fast;
     seg[s].near_pf = pol.near_pf;
+    seg[s].pv_whole = pol.pv_whole;
     seg[s].counters = path_counters();
   }
 }

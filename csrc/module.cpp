@@ -99,6 +99,7 @@ py::list tiers_list() {
       if (built->fp16_pv) paths.append("fp16_pv");
       if (built->e4m3_fast) paths.append("e4m3_fast");
       if (built->near_pf) paths.append("near_pf");
+      if (built->pv_whole) paths.append("pv_whole");
     }
     t["paths"] = paths;
     py::list dts;

@@ -146,6 +146,10 @@ struct AttnParams {
   // Decode: prefetches one sub-block's bytes ahead with the non-temporal hint rather than a
   // block ahead into L2 (FlashDecode::ahead; plan.cpp decides).
   bool near_pf;
+  // Decode, items taking every kv head (FlashDecode::all_heads): P V per head over the whole
+  // block rather than a sub-block at a time across the heads (FlashDecode::split; plan.cpp
+  // decides).
+  bool pv_whole;
 
   // Test-only counters of the fast paths chosen inside a phase, block by block (null normally).
   struct PathCounters* counters;
@@ -165,8 +169,9 @@ struct AttnParams {
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
   X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
   X(decode_sub_blocks)      /* sub-blocks of those read across an item's kv heads (sub_keys) */ \
+  X(decode_pv_whole_blocks) /* of the blocks with sub-blocks, P V per head over the block */  \
   X(decode_e4m3_fast_blocks)  /* of those, over float8 K / V the tier's fast widening read */ \
-  X(decode_e4m3_nan_patched)  /* sub-blocks (K, V) of those whose NaN bytes were set after */ \
+  X(decode_e4m3_nan_patched)  /* sub-blocks (K, V; pv_whole V: blocks) NaN bytes set after */ \
   X(decode_e4m3_exact_items)  /* float8 items its exact one took instead (run_split) */      \
   X(decode_near_pf_blocks)  /* decode blocks whose K / V prefetches ran near (near_pf) */     \
   X(fwd_pack_ns)            /* K^T / V panels packed (in the items or Phase::PackKV) */       \
@@ -269,6 +274,7 @@ struct CpuTier {
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   bool e4m3_fast;  // decode kernels widening float8 without F16C (dims multiples of 16)
   bool near_pf;  // decode kernels whose prefetches may run near (the trait's kDecodeNearPf)
+  bool pv_whole;  // decode kernels whose P V wants whole blocks (the trait's kDecodePvWhole)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
   // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
   // until end: dynamic scheduling).

@@ -104,6 +104,9 @@ KernelPolicy plan_forward(const AttnParams& p, bool record, bool for_backward) {
   // (float8 caches, whose kernels do more work per byte read, keep the block-ahead prefetches;
   // bench_paths near_pf is the case that shows the gain)
   pol.near_pf = pol.decode && tier.near_pf && !p.kv_e4m3 && choose(o.near_pf, true);
+  // (whole blocks of V read per head want them in L2: prefetched a block ahead, not near;
+  // bench_paths pv_whole is the case that shows the gain)
+  pol.pv_whole = pol.decode && tier.pv_whole && !pol.near_pf && choose(o.pv_whole, true);
   choose_blocks(p, tier, tier.block_q, o.fwd_bq, o.fwd_bk, &pol);
   pol.whole_q = o.fwd_bq == 0 &&
                 choose(o.whole_q, p.Lq <= kWholeQMaxLq && thread_busy(p.B * p.Hq) >= 0.9);

@@ -20,13 +20,14 @@ struct KernelPolicy {
   bool fp16_pv;     // decode over a float8 cache, bf16 / fp16 queries: P V in fp16
   bool e4m3_fast;   // decode over a float8 cache: the tier's fast widening (FlashDecode::run_split)
   bool near_pf;     // decode: prefetches a sub-block ahead, non-temporal (FlashDecode::ahead)
+  bool pv_whole;    // decode, all-heads items: P V per kv head over whole blocks (FlashDecode::split)
   int bq, bk;       // the blocks of the call's phases (query rows, keys)
 };
 
 // KernelPolicy's fields after isa / tier, as a list (the report: module.cpp).
 #define FLASHSDPA_KERNEL_POLICY_FIELDS(X) \
   X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
-  X(fp16_pv) X(e4m3_fast) X(near_pf) X(bq) X(bk)
+  X(fp16_pv) X(e4m3_fast) X(near_pf) X(pv_whole) X(bq) X(bk)
 
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
@@ -47,7 +48,7 @@ KernelPolicy plan_backward(const AttnParams& p);
 // Its fields, listed once: paths (1 on, 0 off, -1 the plan's choice) and blocks (0: the plan's).
 #define FLASHSDPA_POLICY_PATHS(X) \
   X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) X(fp16_pv) \
-  X(e4m3_fast) X(near_pf)
+  X(e4m3_fast) X(near_pf) X(pv_whole)
 #define FLASHSDPA_POLICY_BLOCKS(X) X(fwd_bq) X(fwd_bk) X(bwd_bq) X(bwd_bk)
 #define FLASHSDPA_POLICY_FIELDS(X) FLASHSDPA_POLICY_PATHS(X) FLASHSDPA_POLICY_BLOCKS(X)
 struct PolicyOverride {

@@ -302,7 +302,7 @@ def test_bench_paths_runs_every_path(tmp_path):
         field = bench_paths.policy_field(r["path"])
         needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp", "fp16_pv": "fp16_pv",
                        "fused_rows": "fused_bwd_rows", "e4m3_fast": "e4m3_fast",
-                       "near_pf": "near_pf"}.get(field)
+                       "near_pf": "near_pf", "pv_whole": "pv_whole"}.get(field)
         assert r["plan_takes_it"] == (needs_trait is None or (
             needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True))), r
         assert r["on_ms"] > 0 and r["off_ms"] > 0

@@ -134,8 +134,9 @@ def test_kvcache_paged_in_place_is_the_contiguous_computation(tier, block_size, 
     """A long cache read in place page by page, over many decode blocks whose prefetch targets
     lie in other pages (48 keys a page against blocks of 16k keys): bit for bit the contiguous
     cache's result, on every tier (the runs only change where the rows are read from). Both
-    read each block a sub-block at a time across the 8 kv heads (several sub-blocks a block;
-    1500 keys: the float8 cache's last block ends in a short one)."""
+    take each block's Q.K a sub-block at a time across the 8 kv heads (several sub-blocks a
+    block; 1500 keys: the float8 cache's last block ends in a short one), and its P V so too or,
+    where the plan says (pv_whole), per head over the block: both the same way."""
     g = torch.Generator().manual_seed(3)
     n_keys, hkv, d = 1500, 8, 128
     qdt = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32

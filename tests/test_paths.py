@@ -118,16 +118,14 @@ def test_e4m3_fast_widening(tier, forced, dims):
         assert (counts["decode_e4m3_fast_blocks"] > 0) == expected
     torch.testing.assert_close(outs[forced], outs[0], atol=0, rtol=0)
 
-@pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8"])
-def test_near_prefetch(tier, cache):
-    """Decode's near prefetches (a sub-block ahead, non-temporal: KernelPolicy::near_pf) where
-    the tier's trait has them and the cache is not float8, counted per block (not on blocks
-    copied from small pages, which the copy prefetches); prefetches never change a result: bit
-    for bit the block-ahead ones' output."""
-    g = torch.Generator().manual_seed(5)
+def kvcache_case(cache, g, dtype=torch.bfloat16):
+    """A decode call over flash-attn's caches: q (2, 1, 8, 64) over 700 keys of 2 kv heads,
+    (B, L, Hkv, D) in memory ("keys-major"), (B, Hkv, L, D) ("heads-major"), paged in pages of
+    16 or 5 keys ("paged", "small-pages", block tables out of order) or float8 ("float8"):
+    flash_attn_with_kvcache's arguments (q, k_cache, v_cache, keywords)."""
     B, L, Hkv, D = 2, 700, 2, 64
-    q = torch.randn(B, 1, 8, D, generator=g).to(torch.bfloat16)
-    dt = torch.float8_e4m3fn if cache == "float8" else torch.bfloat16
+    q = torch.randn(B, 1, 8, D, generator=g).to(dtype)
+    dt = torch.float8_e4m3fn if cache == "float8" else dtype
     k, v = (torch.randn(B, L, Hkv, D, generator=g).to(dt) for _ in range(2))
     kw = dict(k_scale=0.5, v_scale=0.5) if cache == "float8" else {}
     if cache == "heads-major":  # (B, Hkv, L, D) in memory
@@ -146,17 +144,52 @@ def test_near_prefetch(tier, cache):
             pools.append(pool)
         k, v = pools
         kw["block_table"] = table
-    seqlens = torch.full((B,), L, dtype=torch.int32)
+    kw["cache_seqlens"] = torch.full((B,), L, dtype=torch.int32)
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8"])
+def test_near_prefetch(tier, cache):
+    """Decode's near prefetches (a sub-block ahead, non-temporal: KernelPolicy::near_pf) where
+    the tier's trait has them and the cache is not float8, counted per block (not on blocks
+    copied from small pages, which the copy prefetches); prefetches never change a result: bit
+    for bit the block-ahead ones' output."""
+    q, k, v, kw = kvcache_case(cache, torch.Generator().manual_seed(5))
     outs = {}
     for forced in (None, 0):
         with _testing.policy(**({} if forced is None else {"near_pf": forced})), \
                 _testing.counting() as n:
-            outs[forced] = flashsdpa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, **kw)
+            outs[forced] = flashsdpa.flash_attn_with_kvcache(q, k, v, **kw)
             ran, c = _testing.last_policy()["near_pf"], n()
         expected = forced is None and "near_pf" in ran_paths() and cache != "float8"
         assert c["decode_blocks"] > 0 and ran == expected, (ran, c)
         assert (c["decode_near_pf_blocks"] > 0) == (expected and cache != "small-pages"), c
         assert c["decode_near_pf_blocks"] + c["decode_gathered_blocks"] <= c["decode_blocks"]
+    torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8",
+                                   "keys-major-fp32"])
+def test_whole_block_pv(tier, cache):
+    """Items taking every kv head of a (B, L, Hkv, D) cache: P V per head over the whole block
+    (KernelPolicy::pv_whole) where the tier's trait wants it and prefetches run a block ahead,
+    counted per block with sub-blocks (several a block here: each asserted); a (B, Hkv, L, D)
+    cache's items take one head and no sub-blocks. The same sums in the same order: bit for bit
+    the sub-block order's output."""
+    dtype = torch.float32 if cache.endswith("fp32") else torch.bfloat16
+    q, k, v, kw = kvcache_case(cache.replace("-fp32", ""), torch.Generator().manual_seed(6), dtype)
+    outs = {}
+    for forced in (None, 0):
+        with _testing.policy(**({} if forced is None else {"pv_whole": forced})), \
+                _testing.counting() as n:
+            outs[forced] = flashsdpa.flash_attn_with_kvcache(q, k, v, **kw)
+            pol, c = _testing.last_policy(), n()
+        expected = forced is None and "pv_whole" in ran_paths() and not pol["near_pf"]
+        assert c["decode_blocks"] > 0 and pol["pv_whole"] == expected, (pol, c)
+        all_heads = cache != "heads-major"
+        assert (c["decode_sub_blocks"] > c["decode_blocks"]) == all_heads, c
+        assert c["decode_pv_whole_blocks"] == (c["decode_blocks"] if expected and all_heads
+                                               else 0), c
     torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
 
 

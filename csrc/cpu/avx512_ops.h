@@ -204,6 +204,8 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int kLightVEvery = GenericOps::kLightVEvery;  // P V: a row in one pass (pv_zmm)
   // (its decode prefetches a block ahead: near ones were slower on Zen 4, in every decode case)
   static constexpr bool kDecodeNearPf = false;
+  // (pv_zmm and the bf16 tier's pv_pairs hold the accumulators over a call's keys)
+  static constexpr bool kDecodePvWhole = true;
   using Row = RowOps<VecZ16>;  // the row operations and operand formats (row_ops.h)
   FLASHSDPA_TRAIT_CAPS(Avx512Ops, /*scale_in_a=*/true, /*prep_a=*/false,
                        /*inner_pack=*/1, /*fused_exp=*/true, /*transposed_s=*/true)

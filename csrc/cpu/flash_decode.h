@@ -65,11 +65,13 @@ struct FlashDecode {
     const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(KV));
     return min64(kMaxBlock, max64(16, decode_block_bytes() / row / 16 * 16));
   }
-  // Keys per sub-block: an all-heads item's passes (one per kv head) go over a block a sub-block
-  // at a time, so that the item reads whole rows in order, a few at a time, each sub-block's rows
-  // (of every head) in about decode_sub_bytes() (a share of the core's L1d, isa.cpp); a multiple
-  // of the keys the trait's Q.K takes at a time (decode_key_group), at least one group. One head
-  // per item: the block.
+  // Keys per sub-block: an all-heads item's Q.K passes (one per kv head) go over a block a
+  // sub-block at a time, so that the item reads whole rows in order, a few at a time, each
+  // sub-block's rows (of every head) in about decode_sub_bytes() (a share of the core's L1d,
+  // isa.cpp); a multiple of the keys the trait's Q.K takes at a time (decode_key_group), at
+  // least one group. Its P V passes too, unless p.pv_whole: then each head's P V takes the whole
+  // block, its V rows in L2 by then (prefetched a block ahead), so that P V's accumulators are
+  // loaded and stored once a block. One head per item: the block.
   static int sub_keys(const AttnParams& p) {
     if (!all_heads(p)) return int(block_keys(p));
     const int64_t row = p.Hkv * max64(p.D, p.Dv) * int64_t(sizeof(KV));
@@ -409,9 +411,11 @@ struct FlashDecode {
         clock.lap(&PathCounters::decode_softmax_ns);
       });
       if (!any_head) continue;
+      const int pv_sub = p.pv_whole ? nk : sub;  // (sub_keys)
+      if (pv_sub > sub) count_path(p, &PathCounters::decode_pv_whole_blocks, 1);
       with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
-        for (int j = 0; j < nk; j += sub) {
-          const int n = sub < nk - j ? sub : nk - j;
+        for (int j = 0; j < nk; j += pv_sub) {
+          const int n = pv_sub < nk - j ? pv_sub : nk - j;
           for (int e = 0; e < nh; ++e)
             if (any[e])
               O::decode_pv(vr.from(j).shift(e * p.v_sh), n, int(p.Dv), L.s + e * M * L.lds + j,

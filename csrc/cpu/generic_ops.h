@@ -466,6 +466,11 @@ struct GenericOps {
   // bytes ahead, decode_sub_bytes(), with the non-temporal hint, rather than a block ahead into
   // L2; FlashDecode::ahead). This trait does not prefetch.
   static constexpr bool kDecodeNearPf = false;
+  // Whether the trait's decode_pv keeps a call's accumulators in registers over all its keys
+  // (loaded and stored once a call): then an all-heads item's P V runs per kv head over the
+  // whole block, not a sub-block at a time (KernelPolicy::pv_whole, FlashDecode::split). Not
+  // here, nor in the AVX2 trait, whose P V loads and stores them every few keys anyway.
+  static constexpr bool kDecodePvWhole = false;
   // A float8 cache's K and V as the decode kernels widen them: the values / these (folded into
   // the scales: FlashDecode::kv_factor).
   static constexpr float kE4m3UnitK = kE4m3Unit, kE4m3UnitV = kE4m3Unit;

@@ -42,7 +42,7 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
                             Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s,
                             FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv, e4m3_fast,
-                            Ops::kDecodeNearPf,
+                            Ops::kDecodeNearPf, Ops::kDecodePvWhole,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,
                             FLASHSDPA_TIER_NS::exp2_bf16_hook<Ops>(),

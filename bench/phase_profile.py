@@ -13,6 +13,17 @@ and the two GEMM steps' rates per thread against this machine's per-thread peak 
 the FMA peak; for the bf16-only tiers, which multiply bf16 pairs, the vdpbf16ps peak). On a first machine with
 a new tier (AMX) this says in one run whether its GEMMs, its softmax or its scheduling lose.
 
+With --train, the same for the backward (flash_bwd.h's step clocks; the forward runs before the
+timed calls, outside them):
+    pack     operand copies and panels (the Q / dO side per tile, the K / V side per block)
+    s        S = Q K^T and P (the exponentials)
+    dp       dP = dO V^T and dS
+    dkdv     dV += P^T dO and dK += dS^T Q, with their A operands (P^T, dS^T)
+    dq       dQ += dS K, with its A operand
+    rows     delta, the accumulators zeroed, the gradients stored
+    other    scheduling, waiting for the last item, the call's setup
+and each GEMM step's rate per thread (S and dP with the work fused into them).
+
 With --decode, the same for split-KV decode (flash_attn_with_kvcache, q (B, 1, Hq, D) over a
 contiguous (B, L, Hkv, D) cache of L keys; flash_decode.h's step clocks):
     qk       s = q K
@@ -25,6 +36,7 @@ bytes take at the probed rate) from one bound by memory.
 
     python bench/phase_profile.py [--tiers avx512,amx] [--dtypes fp32,bf16]
                                   [--shapes 1x16x1024x64,1x8x2048x128] [--calls 5] [--json F]
+    python bench/phase_profile.py --train [--shapes ...] ...
     python bench/phase_profile.py --decode [1x32x8x16384x128,...] [--dtypes bf16,fp8] ...
 """
 import argparse
@@ -46,6 +58,10 @@ from flashsdpa._isa import cap  # noqa: E402
 from bench_sdpa import visible_pairs  # noqa: E402
 
 STEPS = ("pack", "scores", "softmax", "pv")
+BWD_STEPS = ("pack", "s", "dp", "dkdv", "dq", "rows")
+# per mode: (counter prefix, steps, {GEMM step: its GEMMs, each 2 x visible pairs x D FLOPs})
+MODES = {"fwd": ("fwd", STEPS, {"scores": 1, "pv": 1}),
+         "train": ("bwd", BWD_STEPS, {"s": 1, "dp": 1, "dkdv": 2, "dq": 1})}
 DECODE_STEPS = ("qk", "softmax", "pv")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.float8_e4m3fn}
@@ -79,20 +95,28 @@ def step_shares(run, tier, calls, threads, prefix, steps):
     return wall, shares, ns
 
 
-def profile(tier, dtype, shape, causal, calls, threads):
-    """One case, its median call of `calls`: {"wall_ms", "<step>_share", "other_share" (shares of
-    wall x threads), "scores_gflops", "pv_gflops" (per thread while in the step)}."""
+def profile(tier, dtype, shape, causal, calls, threads, mode="fwd"):
+    """One case, its median call of `calls` (mode "train": of the backward alone): {"wall_ms",
+    "<step>_share", "other_share" (shares of wall x threads), "<GEMM step>_gflops" (per thread
+    while in the step)}."""
     B, H, L, D = shape
+    prefix, steps, gemms = MODES[mode]
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(3))
-    run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
     with flashsdpa.enabled(), cap(tier):
-        wall, shares, ns = step_shares(run, tier, calls, threads, "fwd", STEPS)
+        if mode == "train":
+            for x in (q, k, v):
+                x.requires_grad_()
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            do = torch.randn(o.shape, generator=gen).to(dtype)
+            run = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)  # noqa: E731
+        else:
+            run = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+        wall, shares, ns = step_shares(run, tier, calls, threads, prefix, steps)
     out = dict({"wall_ms": wall / 1e6}, **shares)
-    # the GEMM steps' GFLOP/s per thread while in them
-    flops = 2.0 * B * H * visible_pairs(L, L, causal) * D
-    out["scores_gflops"] = flops / ns["scores"] if ns["scores"] else None
-    out["pv_gflops"] = flops / ns["pv"] if ns["pv"] else None
+    flops = 2.0 * B * H * visible_pairs(L, L, causal) * D  # one GEMM's
+    for step, n in gemms.items():
+        out[f"{step}_gflops"] = n * flops / ns[step] if ns[step] else None
     return out
 
 
@@ -154,6 +178,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--decode", nargs="?", const="1x32x8x16384x128", default=None,
                     help="profile decode instead: BxHqxHkvxLxD, comma separated")
+    ap.add_argument("--train", action="store_true", help="profile the backward instead")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -173,13 +198,15 @@ def main(argv=None):
         peak = max(runs, key=lambda r: r["fma_peak_gflops"])
         dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
         peak["bf16_dot_gflops"] = max(dots) if dots else None
-    print(f"phase profile | {threads} threads | torch {torch.__version__} | per-thread peak: "
+    mode = "train" if args.train else "fwd"
+    _, steps, gemms = MODES[mode]
+    print(f"{'backward ' if args.train else ''}phase profile | {threads} threads | torch {torch.__version__} | per-thread peak: "
           + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
              + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
                 peak["bf16_dot_gflops"] else "") if peak else "not measured"))
     print(f"{'tier':<12}{'dtype':<6}{'shape':<16}{'causal':<7}{'ms':>8}  "
-          + "".join(f"{s:>9}" for s in STEPS + ("other",))
-          + f"{'scores GF/s (% peak)':>23}{'pv GF/s (% peak)':>19}")
+          + "".join(f"{s:>9}" for s in steps + ("other",))
+          + "".join(f"{g + ' GF/s (% peak)':>{len(g) + 17}}" for g in gemms))
     rows = []
     for tier in tiers:
         for dt in dtypes:
@@ -187,7 +214,7 @@ def main(argv=None):
                 continue
             for shape in shapes:
                 for causal in (False, True):
-                    r = profile(tier, DTYPES[dt], shape, causal, args.calls, threads)
+                    r = profile(tier, DTYPES[dt], shape, causal, args.calls, threads, mode)
                     ref = None  # the peak of the instructions the tier's GEMMs use
                     if peak:
                         ref = peak["fma_peak_gflops"] / threads
@@ -197,15 +224,15 @@ def main(argv=None):
                         f"{g:.1f}" + (f" ({100 * g / ref:.0f}%)" if ref else ""))
                     print(f"{tier:<12}{dt:<6}{'x'.join(map(str, shape)):<16}"
                           f"{'yes' if causal else 'no':<7}{r['wall_ms']:8.2f}  "
-                          + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in STEPS + ("other",))
-                          + f"{rate(r['scores_gflops']):>23}{rate(r['pv_gflops']):>19}",
+                          + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in steps + ("other",))
+                          + "".join(f"{rate(r[g + '_gflops']):>{len(g) + 17}}" for g in gemms),
                           flush=True)
                     rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape), causal=causal,
                                      peak_per_thread_gflops=ref))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": threads, "torch": torch.__version__, "peak": peak,
-                       "rows": rows}, f, indent=2)
+            json.dump({"mode": mode, "threads": threads, "torch": torch.__version__,
+                       "peak": peak, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -178,6 +178,12 @@ struct AttnParams {
   X(fwd_scores_ns)          /* S = Q K^T (with the exponentials where fused) */              \
   X(fwd_softmax_ns)         /* row work: Q load, online softmax, P's operand format, finish */ \
   X(fwd_pv_ns)              /* acc += P V */                                                \
+  X(bwd_pack_ns)            /* backward: operand copies and panels (Q, dO, K, V sides) */  \
+  X(bwd_s_ns)               /* backward: S = Q K^T and P */                                 \
+  X(bwd_dp_ns)              /* backward: dP = dO V^T and dS */                              \
+  X(bwd_dkdv_ns)            /* backward: dV += P^T dO, dK += dS^T Q (with their A operands) */ \
+  X(bwd_dq_ns)              /* backward: dQ += dS K (with its A operand) */                 \
+  X(bwd_rows_ns)            /* backward: delta, accumulators zeroed, gradients stored */    \
   X(decode_qk_ns)           /* decode: s = q K (small pages gathered; float8 NaN scan) */   \
   X(decode_softmax_ns)      /* decode: q rows loaded, online softmax, partials written */    \
   X(decode_pv_ns)           /* decode: acc += P V (small pages gathered; float8 NaN scan) */

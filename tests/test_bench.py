@@ -435,6 +435,30 @@ def test_phase_profile_tiny_run(tmp_path):
     assert bad.returncode != 0 and "--tiers" in bad.stderr
 
 
+def test_phase_profile_train_tiny_run(tmp_path):
+    """bench/phase_profile.py --train: the backward's steps (bwd_*_ns clocks) per native tier,
+    dtype, shape and causal setting, shares summing to 1, every step timed, a rate per GEMM
+    step."""
+    out = tmp_path / "bwd_phases.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--train",
+                          "--shapes", "1x2x128x32", "--calls", "1", "--no-peak", "--json",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    from flashsdpa import _C
+    want = {(t["name"], dt) for t in _C.tiers() if t["built"] and t["cpu_ok"] and
+            t["name"] != "portable" for dt in ("fp32", "bf16")
+            if {"fp32": "float32", "bf16": "bfloat16"}[dt] in t["dtypes"]}
+    assert data["mode"] == "train"
+    assert {(r["tier"], r["dtype"]) for r in data["rows"]} == want
+    assert len(data["rows"]) == 2 * len(want)
+    for r in data["rows"]:
+        shares = [r[f"{s}_share"] for s in ("pack", "s", "dp", "dkdv", "dq", "rows")]
+        assert all(x > 0 for x in shares) and abs(sum(shares) + r["other_share"] - 1) < 1e-6, r
+        assert all(r[f"{g}_gflops"] > 0 for g in ("s", "dp", "dkdv", "dq")), r
+    assert "backward phase profile" in res.stdout
+
+
 def test_phase_profile_decode_tiny_run(tmp_path):
     """bench/phase_profile.py --decode: a row per native tier, dtype (a float8 cache on every
     tier) and shape, with the decode step shares (decode_*_ns clocks) summing to 1, every

@@ -308,3 +308,27 @@ def test_step_clocks_account_for_the_forward(tier, case):
         assert pol["transposed"] == (case == "transposed" and "transposed" in ran_paths())
         packs = not pol["transposed"]  # (it reads K in place, and V: Dv a multiple of NR)
         assert all(ns[s] > 0 for s in steps if s != "pack") and (ns["pack"] > 0) == packs, ns
+
+
+@pytest.mark.parametrize("fused_bwd", [1, 0], ids=["fused", "two-sweep"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_clocks_account_for_the_backward(tier, fused_bwd, dtype):
+    """The backward's step clocks (bwd_pack / s / dp / dkdv / dq / rows; bench/phase_profile.py
+    --train), in both strategies: every step timed, no forward or decode step during the
+    backward, and their sum within the call's wall time times the threads."""
+    import time
+    q, k, v = make_qkv(1, 4, 2, 300, 300, 64, dtype=dtype, requires_grad=True)
+    with _testing.policy(fused_bwd=fused_bwd):
+        o = flashsdpa.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        do = torch.randn_like(o)
+        with _testing.counting() as counts:
+            t0 = time.perf_counter_ns()
+            torch.autograd.grad(o, (q, k, v), do)
+            wall = time.perf_counter_ns() - t0
+            pol, c = _testing.last_policy(), counts()
+    assert pol["fused_bwd"] == bool(fused_bwd), pol
+    steps = {s: c[f"bwd_{s}_ns"] for s in ("pack", "s", "dp", "dkdv", "dq", "rows")}
+    others = {n: t for n, t in c.items() if n.endswith("_ns") and not n.startswith("bwd_")}
+    assert all(t > 0 for t in steps.values()), steps
+    assert not any(others.values()), others
+    assert sum(steps.values()) <= wall * torch.get_num_threads(), (steps, wall)

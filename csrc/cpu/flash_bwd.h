@@ -16,6 +16,9 @@
 // or the single pass (run_fused below), whose items compute their own rows' delta as well
 // (bwd_fused_owns_delta: BwdDelta runs first only with sinks).
 // All accumulation is fp32 in per-thread scratch, converted to the gradient dtype once.
+// With counting on, each item's steps are timed (StepClock: PathCounters::bwd_*_ns): operand
+// copies and panels (pack), S and P (s), dP and dS (dp), the dK / dV GEMMs (dkdv), the dQ GEMM
+// (dq), and delta, the accumulators zeroed and the gradients stored (rows).
 #pragma once
 #include "flash_common.h"
 
@@ -85,9 +88,11 @@ struct FlashBackward {
     return dsink;
   }
   static void run_delta(const AttnParams& p, const Blocks& bl, int64_t item) {
+    StepClock clock(p);
     const QItem it(p, bl, item);
     const float dsink = delta_rows(p, it.b, it.h, it.i0, it.nq);
     if (p.sinks) p.dsink_part[item] = dsink;
+    clock.lap(&PathCounters::bwd_rows_ns);
   }
 
   // fp32 inputs on a trait whose GEMMs read B in place (gemm_strided_b), head dims of whole
@@ -120,7 +125,7 @@ struct FlashBackward {
     const float* ds;  // dS
   };
   static bool tile_ds(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
-                      int64_t i0, int nq, int64_t j0, int nk, Tile* tile) {
+                      int64_t i0, int nq, int64_t j0, int nk, Tile* tile, StepClock& clock) {
     float *s = L.s, *pd = L.pd, *dp = L.dp;
     MaskTile mt{L.mask, L.lds, false};
     const bool dropout = p.dropout_p > 0.0f;
@@ -129,7 +134,7 @@ struct FlashBackward {
     count_path(p, &PathCounters::bwd_tiles, 1);
     tile->pd = dropout ? pd : s;
     tile->ds = dp;
-    if (fused_rows(p, L, b, h, i0, nq, nk, ct)) return true;
+    if (fused_rows(p, L, b, h, i0, nq, nk, ct, clock)) return true;
 
     // S = Q_blk K_blk^T, then P = 2^(s - m) * inv_l
     Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
@@ -162,6 +167,7 @@ struct FlashBackward {
       for (int c = w; c < nk; ++c) srow[c] = 0.0f;
       if (dropout) Ops::dropout_row(p, bh, i, j0, nk, srow, pd + int64_t(r) * L.lds);
     }
+    clock.lap(&PathCounters::bwd_s_ns);
     if (!any) return false;
 
     // dP = dO_blk V_blk^T; dS = P * (dP * Z / (1-p) - delta), in place of dP
@@ -181,6 +187,7 @@ struct FlashBackward {
       for (int c = 0; c < f; ++c) dprow[c] = 0.0f;
       for (int c = w; c < nk; ++c) dprow[c] = 0.0f;
     }
+    clock.lap(&PathCounters::bwd_dp_ns);
     return true;
   }
 
@@ -192,7 +199,7 @@ struct FlashBackward {
   // S / dP GEMM tile while it is in L1 (gemm_rows_then, 0 off the band) instead of by passes
   // over the rows. Returns whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
-                         int64_t i0, int nq, int nk, const VisTile& ct) {
+                         int64_t i0, int nq, int nk, const VisTile& ct, StepClock& clock) {
     if constexpr (!fused_bwd_rows<Ops>()) {
       return false;
     } else {
@@ -215,12 +222,14 @@ struct FlashBackward {
           [&](float* row, int r, int, int first, int end) {
             Ops::Row::exp2_band_scaled(row, NR, smul, m[r], inv_l[r], first, end);
           });
+      clock.lap(&PathCounters::bwd_s_ns);
       gemm_rows_then<Ops>(
           nq, nk, int(p.Dv), dO, lddo, L.vt, p.Dv * NR, L.dp, L.lds, ct.limit_n(),
           [&](float* row, int r, int panel, int first, int end) {
             Ops::Row::ds_band(L.s + int64_t(r) * L.lds + panel * NR, row, NR, delta[r], first,
                               end);
           });
+      clock.lap(&PathCounters::bwd_dp_ns);
       return true;
     }
   }
@@ -278,7 +287,8 @@ struct FlashBackward {
   // band's edge crosses, each group of keys only reduces over the queries that see one of them
   // (VisTile::limit_t): P and dS are 0 on the others.
   static void add_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t h, int64_t i0,
-                       int nq, int64_t j0, int nk, const Tile& tile, float* dk, float* dv) {
+                       int nq, int64_t j0, int nk, const Tile& tile, float* dk, float* dv,
+                       StepClock& clock) {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
@@ -287,17 +297,20 @@ struct FlashBackward {
     a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
     gemm_b<true>(p, nk, int(p.D), nq, a, lda, q_row<T>(p, b, h, i0), p.q_sl, L.qp, dk, L.ldd,
                  ct.limit_t());
+    clock.lap(&PathCounters::bwd_dkdv_ns);
   }
 
   // dQ_blk += dS K_blk, into rows of an fp32 accumulator (ld = L.ldd). The two strategies make
   // exactly these calls in exactly this kv order for every q block, so dq is bit-identical.
   static void add_dq(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t i0,
-                     int nq, int64_t j0, int nk, const Tile& tile, float* dq) {
+                     int nq, int64_t j0, int nk, const Tile& tile, float* dq,
+                     StepClock& clock) {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
     int lda;
     const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, L.a16, &lda);
     gemm_b<false>(p, nq, int(p.D), nk, a, lda, k_row<T>(p, b, hk, j0), p.k_sl, L.kp, dq, L.ldd,
                   ct.limit_k());
+    clock.lap(&PathCounters::bwd_dq_ns);
   }
 
   static void store_dkdv(const AttnParams& p, const Layout& L, int64_t b, int64_t hk, int64_t j0,
@@ -322,6 +335,7 @@ struct FlashBackward {
     return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
   static void run_dkdv(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    StepClock clock(p);
     const Layout L(p, bl, scratch);
     const KvItem it(p, bl, item);
     const int64_t b = it.b, hk = it.hk, j0 = it.j0, group = p.Hq / p.Hkv;
@@ -330,18 +344,22 @@ struct FlashBackward {
     float* dv = L.dv;
     for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
     for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
+    clock.lap(&PathCounters::bwd_rows_ns);
 
     load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/false);
+    clock.lap(&PathCounters::bwd_pack_ns);
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < q_rows_end(p, j0, nk); i0 += bl.bq) {
         const int nq = int(min64(bl.bq, p.Lq - i0));
         load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
+        clock.lap(&PathCounters::bwd_pack_ns);
         Tile tile;
-        if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
-          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv);
+        if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile, clock))
+          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv, clock);
       }
     }
     store_dkdv(p, L, b, hk, j0, nk, dk, dv);
+    clock.lap(&PathCounters::bwd_rows_ns);
   }
 
   // ---- two-sweep strategy, phase BwdDq: item (b, h, q-block) -----------------------------------
@@ -349,6 +367,7 @@ struct FlashBackward {
     return p.B * p.Hq * ceil_div(p.Lq, bl.bq);
   }
   static void run_dq(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    StepClock clock(p);
     const Layout L(p, bl, scratch);
     const QItem it(p, bl, item);
     const int64_t b = it.b, h = it.h, hk = it.hk, i0 = it.i0;
@@ -356,17 +375,21 @@ struct FlashBackward {
     const Visibility vis = Visibility::of(p);
     float* dq = L.dq;
     for (int64_t x = 0; x < int64_t(nq) * L.ldd; ++x) dq[x] = 0.0f;
+    clock.lap(&PathCounters::bwd_rows_ns);
 
     load_q_side(p, L, b, h, i0, nq, /*panels=*/false);
+    clock.lap(&PathCounters::bwd_pack_ns);
     for (int64_t j0 = first_kv_block(vis, i0, nq, bl.bk); j0 < vis.rows_end(i0, nq);
          j0 += bl.bk) {
       const int nk = int(min64(bl.bk, p.Lk - j0));
       load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
+      clock.lap(&PathCounters::bwd_pack_ns);
       Tile tile;
-      if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile))
-        add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq);
+      if (tile_ds(p, L, b, h, i0, nq, j0, nk, &tile, clock))
+        add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq, clock);
     }
     store_dq(p, L, b, h, i0, nq, dq);
+    clock.lap(&PathCounters::bwd_rows_ns);
   }
 
   // ---- single-pass strategy, phase BwdFused: item (b, hkv) --------------------------------------
@@ -379,6 +402,7 @@ struct FlashBackward {
     return p.B * p.Hq * p.Lq * int64_t(Layout(p, bl).ldd);
   }
   static void run_fused(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
+    StepClock clock(p);
     const Layout L(p, bl, scratch);
     const int64_t b = item / p.Hkv, hk = item % p.Hkv;
     const int64_t group = p.Hq / p.Hkv;
@@ -394,22 +418,26 @@ struct FlashBackward {
       const int nk = int(min64(bl.bk, p.Lk - j0));
       for (int64_t x = 0; x < int64_t(nk) * L.ldd; ++x) dk[x] = 0.0f;
       for (int64_t x = 0; x < int64_t(nk) * L.lddv; ++x) dv[x] = 0.0f;
+      clock.lap(&PathCounters::bwd_rows_ns);
       load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/true);
+      clock.lap(&PathCounters::bwd_pack_ns);
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         float* dq_h = dq_heads + (h - hk * group) * head_rows;
         for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < q_rows_end(p, j0, nk); i0 += bl.bq) {
           const int nq = int(min64(bl.bq, p.Lq - i0));
           load_q_side(p, L, b, h, i0, nq, /*panels=*/true);
+          clock.lap(&PathCounters::bwd_pack_ns);
           Tile tile;
-          if (!tile_ds(p, L, b, h, i0, nq, j0, nk, &tile)) continue;
-          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv);
-          add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd);
+          if (!tile_ds(p, L, b, h, i0, nq, j0, nk, &tile, clock)) continue;
+          add_dkdv(p, L, b, h, i0, nq, j0, nk, tile, dk, dv, clock);
+          add_dq(p, L, b, hk, i0, nq, j0, nk, tile, dq_h + i0 * L.ldd, clock);
         }
       }
       store_dkdv(p, L, b, hk, j0, nk, dk, dv);
     }
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h)
       store_dq(p, L, b, h, 0, int(p.Lq), dq_heads + (h - hk * group) * head_rows);
+    clock.lap(&PathCounters::bwd_rows_ns);
   }
 };
 

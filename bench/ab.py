@@ -4,6 +4,7 @@ loaded in ONE process and timed in interleaved rounds.
     python bench/ab.py --base HEAD~1                          # fwd, train and decode suites
     python bench/ab.py --base main --mode fwd --dtypes bf16 --shapes 1x16x1024x64
     python bench/ab.py --base v0.1 --fail-above 3             # exit 1 if a mode is >3% slower
+    python bench/ab.py --base HEAD --mode kvcache --dtypes bf16   # flash-attn's cache layouts
     make bench-ab BASE=HEAD~1 AB_ARGS="--mode decode"
 
 "new" is the package importable from this checkout as it is built now (`make build`); "base" is
@@ -15,6 +16,11 @@ on the same tensors. Suites, inputs, step functions, timing and FLOP counts are 
 the default shapes and rounds per mode are those of `make bench-all`. Per case: the medians over
 rounds and the ratio new/base (> 1: new is slower); per mode: geomean, min and max of the ratios.
 Table on stdout, JSON in bench/.build/ab/result_<tag>.json.
+
+--mode kvcache: the decode suite's shapes through flash_attn_with_kvcache over flash-attn's
+(B, L, Hkv, D) cache, contiguous, paged (16-key pages in shuffled order) and float8 (per-kv-head
+scales), each a case: the layout decode items read across their kv heads (FlashDecode::all_heads),
+which --mode decode's (B, H, S, D) tensors never reach.
 
 Limits: "new" is whatever build is in flashsdpa/ now (run `make build` first, or use the make
 target, which does); FLASHSDPA_* environment variables (e.g. FLASHSDPA_CPU_ISA) apply to both
@@ -34,7 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 AB_DIR = os.path.join(HERE, ".build", "ab")  # git-ignored (bench/.build/)
 OLD, NEW = "flashsdpa", "flashsdpa_base"
-MODES = ("fwd", "train", "decode")  # each with bench_sdpa's suite and rounds, as bench-all
+MODES = ("fwd", "train", "decode", "kvcache")  # bench_sdpa's suites and rounds (kvcache: decode's)
+KV_LAYOUTS = ("contiguous", "paged16", "float8")
+KV_PAGE = 16
 
 
 def rename_tree(root, old=OLD, new=NEW):
@@ -102,6 +110,31 @@ def build_base(rev):
     return sha, dest
 
 
+def kvcache_steps(mods, q, k, v, layout, gen):
+    """{name: step} calling each module's flash_attn_with_kvcache on the same cache, made from
+    make_inputs' (B, H, S, D) q / k / v in flash-attn's layout: contiguous, paged (KV_PAGE-key
+    pages, shuffled) or float8 (per-kv-head scales); and the K + V bytes one call reads."""
+    import torch
+    from bench_serving import paged_copy
+    q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D)
+    kc, vc = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, L, Hkv, D)
+    B, L = kc.shape[:2]
+    kw = {"cache_seqlens": torch.full((B,), L, dtype=torch.int32)}
+    if layout == "paged16":
+        order = torch.randperm(B * -(-L // KV_PAGE), generator=gen)
+        (kc, kw["block_table"]), (vc, _) = (paged_copy(x, KV_PAGE, order) for x in (kc, vc))
+    if layout == "float8":
+        caches = []
+        for name, x in (("k", kc), ("v", vc)):
+            scale = x.float().abs().amax(dim=(0, 1, 3)) / 448
+            kw[f"{name}_scale"] = scale
+            caches.append((x.float() / scale.view(-1, 1)).to(torch.float8_e4m3fn))
+        kc, vc = caches
+    nbytes = 2 * B * L * kc.shape[-2] * kc.shape[-1] * kc.element_size()
+    return {n: (lambda m=m: m.flash_attn_with_kvcache(q, kc, vc, **kw)) for n, m in mods.items()}, \
+        nbytes
+
+
 def describe_worktree():
     # untracked files count too: a new source the build compiles is part of "new"
     dirty = git("status", "--porcelain").splitlines()
@@ -114,7 +147,8 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__)
     ap.add_argument("--base", required=True, help="git revision to compare against")
-    ap.add_argument("--mode", default="fwd,train,decode", help="comma separated: fwd,train,decode")
+    ap.add_argument("--mode", default="fwd,train,decode",
+                    help="comma separated: fwd,train,decode,kvcache")
     ap.add_argument("--repeats", type=int, default=None,
                     help="rounds per case (default per mode as make bench-all: 5, 3, 11)")
     ap.add_argument("--shapes", default=None, help="BxH[/Hkv]xLxD,... (default per mode as "
@@ -138,7 +172,8 @@ def main(argv=None):
     import torch
     try:  # bad arguments fail before a build of several minutes
         dtypes = bs.parse_dtypes(args.dtypes)
-        cases = {m: bs.parse_shapes(args.shapes or "suite", m) for m in modes}
+        cases = {m: bs.parse_shapes(args.shapes or "suite", "decode" if m == "kvcache" else m)
+                 for m in modes}
     except ValueError as e:
         ap.error(str(e))
     sha, base_dir = build_base(args.base)
@@ -165,43 +200,52 @@ def main(argv=None):
           f"# new:  {meta['new']}, tiers {meta['tiers']['new']}\n"
           f"# base: {meta['base']}, tiers {meta['tiers']['base']}\n"
           "# ratio = new / base median time: > 1 means new is slower\n")
-    print("| mode | shape (B,H/Hkv,Lq,S,D) | dtype | causal | base ms | new ms | new/base "
-          "| new rate |\n|---|---|---|---|---|---|---|---|", flush=True)
+    print("| mode | shape (B,H/Hkv,Lq,S,D) | dtype | causal (kvcache: layout) | base ms | new ms "
+          "| new/base | new rate |\n|---|---|---|---|---|---|---|---|", flush=True)
     rows = []
-    # decode: q_len 1 sees the whole cache, so causal or not is one case (as bench_sdpa)
-    causals = {m: [False] if m == "decode" else
-               {"both": [False, True], "yes": [True], "no": [False]}[args.causal] for m in modes}
-    progress = bs.Progress(sum(len(cases[m]) * len(dtypes) * len(causals[m]) for m in modes))
+    # decode: q_len 1 sees the whole cache, so causal or not is one case (as bench_sdpa);
+    # kvcache: its layouts in that place
+    variants = {m: KV_LAYOUTS if m == "kvcache" else [False] if m == "decode" else
+                {"both": [False, True], "yes": [True], "no": [False]}[args.causal] for m in modes}
+    progress = bs.Progress(sum(len(cases[m]) * len(dtypes) * len(variants[m]) for m in modes))
+    mods = {"base": flashsdpa_base, "new": bs.flashsdpa}
+    gen = torch.Generator().manual_seed(0)
     for mode in modes:
-        repeats = args.repeats or bs.DEFAULT_REPEATS[mode]
+        repeats = args.repeats or bs.DEFAULT_REPEATS.get(mode, bs.DEFAULT_REPEATS["decode"])
         for (B, Hq, Hkv, L, D) in cases[mode]:
             for dtype in dtypes:
-                for causal in causals[mode]:
-                    q, k, v = bs.make_inputs(B, Hq, Hkv, L, D, dtype, mode)
+                for variant in variants[mode]:
+                    kv = mode == "kvcache"
+                    causal = False if kv else variant
+                    q, k, v = bs.make_inputs(B, Hq, Hkv, L, D, dtype, "decode" if kv else mode)
                     Lq, gqa = q.shape[2], Hq != Hkv
-                    steps = {p: bs.make_step(fn, q, k, v, causal, gqa, mode)
-                             for p, fn in providers.items()}
+                    if kv:  # bandwidth-bound: GB/s of K + V as the layout stores them
+                        steps, work = kvcache_steps(mods, q, k, v, variant, gen)
+                    else:
+                        steps = {p: bs.make_step(fn, q, k, v, causal, gqa, mode)
+                                 for p, fn in providers.items()}
+                        work = bs.kv_bytes(B, Hkv, L, D, dtype) if mode == "decode" else \
+                            bs.flops(B, Hq, Lq, L, D, causal, mode)
+                    unit = "GB/s" if mode in ("decode", "kvcache") else "GFLOP/s"
                     for step in steps.values():  # first calls (allocator, lazy init) are
                         step()                       # slow: keep them out of time_case's sizing
                     samples = bs.time_case(steps, repeats, alternate=True)
                     med = {p: statistics.median(ts) for p, ts in samples.items()}
                     ratio = med["new"] / med["base"]
-                    # decode is bandwidth-bound: GB/s of K+V; the others GFLOP/s
-                    work, unit = (bs.kv_bytes(B, Hkv, L, D, dtype), "GB/s") if mode == "decode" \
-                        else (bs.flops(B, Hq, Lq, L, D, causal, mode), "GFLOP/s")
                     dt = str(dtype).replace("torch.", "")
                     rows.append({"mode": mode, "B": B, "Hq": Hq, "Hkv": Hkv, "Lq": Lq, "S": L,
                                  "D": D, "dtype": dt, "causal": causal, "repeats": repeats,
                                  "base_ms": med["base"] * 1e3, "new_ms": med["new"] * 1e3,
                                  "ratio": ratio, unit: work / med["new"] * 1e-9,
-                                 "samples_s": samples})
+                                 "samples_s": samples, **({"layout": variant} if kv else {})})
                     heads = f"{Hq}/{Hkv}" if gqa else f"{Hq}"
-                    print(f"| {mode} | {B},{heads},{Lq},{L},{D} | {dt} | "
-                          f"{'yes' if causal else 'no'} | {med['base'] * 1e3:.3f} | "
-                          f"{med['new'] * 1e3:.3f} | {ratio:.3f} | "
+                    what = variant if kv else "yes" if causal else "no"
+                    print(f"| {mode} | {B},{heads},{Lq},{L},{D} | {dt} | {what} | "
+                          f"{med['base'] * 1e3:.3f} | {med['new'] * 1e3:.3f} | {ratio:.3f} | "
                           f"{work / med['new'] * 1e-9:.1f} {unit} |", flush=True)
                     progress.case_done(f"{mode} {B},{heads},{Lq},{L},{D} {dt}"
-                                       + (" causal" if causal else "") + f": new/base {ratio:.3f}")
+                                       + (f" {variant}" if kv else " causal" if causal else "")
+                                       + f": new/base {ratio:.3f}")
 
     summary = {}
     for mode in modes:

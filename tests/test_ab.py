@@ -59,3 +59,27 @@ def test_rename_tree(tmp_path):
         assert text.count("flashsdpa") == text.count("flashsdpa_base"), rel
         assert "flashsdpa_base_base" not in text, rel
     assert (tmp_path / "flashsdpa_base" / "_C.so").read_bytes() == BINARY  # binaries untouched
+
+
+def test_kvcache_steps_layouts():
+    """ab.py --mode kvcache's cases: the same keys and values in flash-attn's layout, contiguous,
+    paged (shuffled pages) and float8, each step a flash_attn_with_kvcache call of the module it
+    names; paged gives the contiguous output bit for bit, float8 its dequantised one's, and the
+    bytes counted are the layout's."""
+    import torch
+    import flashsdpa
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import bench_sdpa as bs
+    q, k, v = bs.make_inputs(2, 4, 2, 40, 32, torch.bfloat16, "decode")
+    outs, sizes = {}, {}
+    for layout in ab.KV_LAYOUTS:
+        steps, sizes[layout] = ab.kvcache_steps({"new": flashsdpa}, q, k, v, layout,
+                                                torch.Generator().manual_seed(0))
+        outs[layout] = steps["new"]()
+    want = flashsdpa.flash_attn_with_kvcache(
+        q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+        v.transpose(1, 2).contiguous(), cache_seqlens=torch.full((2,), 40, dtype=torch.int32))
+    assert torch.equal(outs["contiguous"], want) and torch.equal(outs["paged16"], want)
+    torch.testing.assert_close(outs["float8"].float(), want.float(), atol=0.1, rtol=0.1)
+    assert sizes["contiguous"] == sizes["paged16"] == 2 * 2 * 40 * 2 * 32 * 2
+    assert sizes["float8"] == sizes["contiguous"] // 2

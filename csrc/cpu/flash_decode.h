@@ -99,10 +99,13 @@ struct FlashDecode {
 
   // Prefetches (the row sources' `every`, bytes apart in a row): K rows one per line; V rows
   // too, but in light decode (light_decode: little compute per byte) one per O::kLightVEvery
-  // bytes (the decode trait's: how its P V walks a row, generic_ops.h).
+  // bytes (the decode trait's: how its P V walks a row, generic_ops.h), the hardware streamer
+  // fetching the lines between as P V reads the rows in order. Not where an all-heads item's
+  // P V walks one head's slice of the block's rows at a time (p.pv_whole), rows apart: no
+  // streamer follows that.
   template <class O>
   static int prefetch_every(const AttnParams& p, bool v) {
-    return v && light_decode(p) ? O::kLightVEvery : 64;
+    return v && light_decode(p) && !(p.pv_whole && all_heads(p)) ? O::kLightVEvery : 64;
   }
 
   // Paged caches are read in place when pages hold a multiple of 16 keys; smaller or odd pages

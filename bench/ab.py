@@ -19,8 +19,8 @@ Table on stdout, JSON in bench/.build/ab/result_<tag>.json.
 
 --mode kvcache: the decode suite's shapes through flash_attn_with_kvcache over flash-attn's
 (B, L, Hkv, D) cache, contiguous, paged (16-key pages in shuffled order) and float8 (per-kv-head
-scales), each a case: the layout decode items read across their kv heads (FlashDecode::all_heads),
-which --mode decode's (B, H, S, D) tensors never reach.
+scales), each a case (bench_serving.kvcache_calls): the layout decode items read across their
+kv heads (FlashDecode::all_heads), which --mode decode's (B, H, S, D) tensors never reach.
 
 Limits: "new" is whatever build is in flashsdpa/ now (run `make build` first, or use the make
 target, which does); FLASHSDPA_* environment variables (e.g. FLASHSDPA_CPU_ISA) apply to both
@@ -41,8 +41,6 @@ ROOT = os.path.dirname(HERE)
 AB_DIR = os.path.join(HERE, ".build", "ab")  # git-ignored (bench/.build/)
 OLD, NEW = "flashsdpa", "flashsdpa_base"
 MODES = ("fwd", "train", "decode", "kvcache")  # bench_sdpa's suites and rounds (kvcache: decode's)
-KV_LAYOUTS = ("contiguous", "paged16", "float8")
-KV_PAGE = 16
 
 
 def rename_tree(root, old=OLD, new=NEW):
@@ -110,31 +108,6 @@ def build_base(rev):
     return sha, dest
 
 
-def kvcache_steps(mods, q, k, v, layout, gen):
-    """{name: step} calling each module's flash_attn_with_kvcache on the same cache, made from
-    make_inputs' (B, H, S, D) q / k / v in flash-attn's layout: contiguous, paged (KV_PAGE-key
-    pages, shuffled) or float8 (per-kv-head scales); and the K + V bytes one call reads."""
-    import torch
-    from bench_serving import paged_copy
-    q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D)
-    kc, vc = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, L, Hkv, D)
-    B, L = kc.shape[:2]
-    kw = {"cache_seqlens": torch.full((B,), L, dtype=torch.int32)}
-    if layout == "paged16":
-        order = torch.randperm(B * -(-L // KV_PAGE), generator=gen)
-        (kc, kw["block_table"]), (vc, _) = (paged_copy(x, KV_PAGE, order) for x in (kc, vc))
-    if layout == "float8":
-        caches = []
-        for name, x in (("k", kc), ("v", vc)):
-            scale = x.float().abs().amax(dim=(0, 1, 3)) / 448
-            kw[f"{name}_scale"] = scale
-            caches.append((x.float() / scale.view(-1, 1)).to(torch.float8_e4m3fn))
-        kc, vc = caches
-    nbytes = 2 * B * L * kc.shape[-2] * kc.shape[-1] * kc.element_size()
-    return {n: (lambda m=m: m.flash_attn_with_kvcache(q, kc, vc, **kw)) for n, m in mods.items()}, \
-        nbytes
-
-
 def describe_worktree():
     # untracked files count too: a new source the build compiles is part of "new"
     dirty = git("status", "--porcelain").splitlines()
@@ -169,6 +142,7 @@ def main(argv=None):
 
     sys.path.insert(0, HERE)
     import bench_sdpa as bs  # imports torch and the working tree's flashsdpa
+    from bench_serving import KV_LAYOUTS, kvcache_calls
     import torch
     try:  # bad arguments fail before a build of several minutes
         dtypes = bs.parse_dtypes(args.dtypes)
@@ -220,7 +194,7 @@ def main(argv=None):
                     q, k, v = bs.make_inputs(B, Hq, Hkv, L, D, dtype, "decode" if kv else mode)
                     Lq, gqa = q.shape[2], Hq != Hkv
                     if kv:  # bandwidth-bound: GB/s of K + V as the layout stores them
-                        steps, work = kvcache_steps(mods, q, k, v, variant, gen)
+                        steps, work = kvcache_calls(mods, q, k, v, variant, gen)
                     else:
                         steps = {p: bs.make_step(fn, q, k, v, causal, gqa, mode)
                                  for p, fn in providers.items()}

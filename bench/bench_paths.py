@@ -17,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_sdpa import (OUT_DIR, Progress, flops, geomean, host_meta,  # noqa: E402
                         make_inputs, make_step, parse_names, save_json, time_case, _flashsdpa)
+from bench_serving import kvcache_calls  # noqa: E402
 
 import flashsdpa  # noqa: E402
 from flashsdpa import _testing  # noqa: E402
@@ -70,22 +71,8 @@ def kvcache_decode_step(B, Hq, Hkv, L, D, dtype, fp8):
     """One decode query over a (B, L, Hkv, D) cache (flash_attn_with_kvcache) of make_inputs'
     keys and values: in dtype, or (fp8) quantised to float8_e4m3fn with per-kv-head scales."""
     q, k, v = make_inputs(B, Hq, Hkv, L, D, dtype, "decode")
-    q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D), the caches (B, L, Hkv, D)
-    caches, scales = [], []
-    for x in (k, v):
-        x = x.transpose(1, 2)
-        if fp8:
-            x = x.float()
-            scale = x.abs().amax(dim=(0, 1, 3)) / 448
-            x = x / scale.view(-1, 1)
-            scales.append(scale)
-        caches.append(x.to(torch.float8_e4m3fn if fp8 else dtype).contiguous())
-    seqlens = torch.full((B,), L, dtype=torch.int32)
-    kw = dict(k_scale=scales[0], v_scale=scales[1]) if fp8 else {}
-
-    def step():
-        flashsdpa.flash_attn_with_kvcache(q, caches[0], caches[1], cache_seqlens=seqlens, **kw)
-    return step
+    calls, _ = kvcache_calls({"flashsdpa": flashsdpa}, q, k, v, "float8" if fp8 else "contiguous")
+    return calls["flashsdpa"]
 
 
 def run_path(name, repeats):
@@ -136,7 +123,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--repeats", type=int, default=None,
-                    help="rounds per path (default: %d, decode cases %d)" % (REPEATS, DECODE_REPEATS))
+                    help=f"rounds per path (default: {REPEATS}, decode cases {DECODE_REPEATS})")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(OUT_DIR, "paths.json"),
                     help="JSON file (default: bench/out/paths.json)")

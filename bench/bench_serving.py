@@ -71,6 +71,37 @@ def paged_copy(cache, block, order):
     return pool, table
 
 
+def e4m3_per_kv_head(x):
+    """A (B, L, Hkv, D) cache as float8_e4m3fn with one scale per kv head, each head's absolute
+    maximum at 448 (e4m3's largest): (the bytes, the scales)."""
+    scale = x.float().abs().amax(dim=(0, 1, 3)) / 448
+    return (x.float() / scale.view(-1, 1)).to(torch.float8_e4m3fn), scale
+
+
+# flash_attn_with_kvcache's cache layouts that kvcache_calls makes (bench/ab.py --mode kvcache)
+KV_LAYOUTS = ("contiguous", "paged16", "float8")
+KV_PAGE = 16
+
+
+def kvcache_calls(mods, q, k, v, layout, gen=None):
+    """{name: call} calling each module's flash_attn_with_kvcache on the same cache, made from
+    bench_sdpa.make_inputs' (B, H, S, D) q / k / v in flash-attn's layout: contiguous, paged
+    (KV_PAGE-key pages, shuffled by gen) or float8 (e4m3_per_kv_head); and the K + V bytes one
+    call reads."""
+    q = q.transpose(1, 2).contiguous()  # (B, 1, Hq, D)
+    kc, vc = (x.transpose(1, 2).contiguous() for x in (k, v))  # (B, L, Hkv, D)
+    B, L = kc.shape[:2]
+    kw = {"cache_seqlens": torch.full((B,), L, dtype=torch.int32)}
+    if layout == "paged16":
+        order = torch.randperm(B * -(-L // KV_PAGE), generator=gen)
+        (kc, kw["block_table"]), (vc, _) = (paged_copy(x, KV_PAGE, order) for x in (kc, vc))
+    if layout == "float8":
+        (kc, kw["k_scale"]), (vc, kw["v_scale"]) = (e4m3_per_kv_head(x) for x in (kc, vc))
+    nbytes = 2 * B * L * kc.shape[-2] * kc.shape[-1] * kc.element_size()
+    return {n: (lambda m=m: m.flash_attn_with_kvcache(q, kc, vc, **kw)) for n, m in mods.items()}, \
+        nbytes
+
+
 def bottom_right_mask(lq, lk):
     return torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
 
@@ -104,8 +135,7 @@ def kv_providers(c, dtype, g, device="cpu"):
     # float8_e4m3fn copies, one scale per kv head (each head's absolute maximum at 448)
     fp8 = {}
     for name, x in (("k", kc), ("v", vc)):
-        scale = x.float().abs().amax(dim=(0, 1, 3)) / 448
-        x8 = (x.float() / scale.view(-1, 1)).to(torch.float8_e4m3fn)
+        x8, scale = e4m3_per_kv_head(x)
         fp8[name] = (x8, scale, paged_copy(x8, c["block"], order)[0],
                      (x8.float() * scale.view(-1, 1)).to(dtype))
     k8, v8 = fp8["k"][0], fp8["v"][0]

@@ -200,7 +200,8 @@ def main(argv=None):
         peak["bf16_dot_gflops"] = max(dots) if dots else None
     mode = "train" if args.train else "fwd"
     _, steps, gemms = MODES[mode]
-    print(f"{'backward ' if args.train else ''}phase profile | {threads} threads | torch {torch.__version__} | per-thread peak: "
+    print(f"{'backward ' if args.train else ''}phase profile | {threads} threads | "
+          f"torch {torch.__version__} | per-thread peak: "
           + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
              + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
                 peak["bf16_dot_gflops"] else "") if peak else "not measured"))

@@ -62,19 +62,20 @@ def test_rename_tree(tmp_path):
 
 
 def test_kvcache_steps_layouts():
-    """ab.py --mode kvcache's cases: the same keys and values in flash-attn's layout, contiguous,
-    paged (shuffled pages) and float8, each step a flash_attn_with_kvcache call of the module it
-    names; paged gives the contiguous output bit for bit, float8 its dequantised one's, and the
-    bytes counted are the layout's."""
+    """ab.py --mode kvcache's cases (bench_serving.kvcache_calls): the same keys and values in
+    flash-attn's layout, contiguous, paged (shuffled pages) and float8, each step a
+    flash_attn_with_kvcache call of the module it names; paged gives the contiguous output bit
+    for bit, float8 its dequantised one's, and the bytes counted are the layout's."""
     import torch
     import flashsdpa
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import bench_sdpa as bs
+    import bench_serving
     q, k, v = bs.make_inputs(2, 4, 2, 40, 32, torch.bfloat16, "decode")
     outs, sizes = {}, {}
-    for layout in ab.KV_LAYOUTS:
-        steps, sizes[layout] = ab.kvcache_steps({"new": flashsdpa}, q, k, v, layout,
-                                                torch.Generator().manual_seed(0))
+    for layout in bench_serving.KV_LAYOUTS:
+        steps, sizes[layout] = bench_serving.kvcache_calls({"new": flashsdpa}, q, k, v, layout,
+                                                           torch.Generator().manual_seed(0))
         outs[layout] = steps["new"]()
     want = flashsdpa.flash_attn_with_kvcache(
         q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),

@@ -376,7 +376,8 @@ struct Avx512Bf16DecodeOps : Avx512Ops {
   // (FlashDecode::split: zeroed, scaled by the softmax, added to by every P V call) keep that
   // order, 32 dims at a time over [0, Dv & ~31), for the whole item; decode_to_natural puts them
   // back once at its end (permuting them on each call's load and store instead cost more than
-  // the products where calls are a few keys each: the sub-blocks of a (.., L, Hkv, D) cache).
+  // the products where calls are a few keys each: the sub-blocks of a (.., L, Hkv, D) cache
+  // without pv_whole).
   // Q's rows stay in natural order (decode_to_order: none).
   template <class KV>
   static void decode_to_natural(float* x, int n) {

@@ -58,6 +58,8 @@ struct FlashDecode {
     return p.Hkv > 1 && p.Hkv <= kMaxItemHeads && p.k_sh < p.k_sl && p.v_sh < p.v_sl;
   }
   static int64_t heads_per_item(const AttnParams& p) { return all_heads(p) ? p.Hkv : 1; }
+  // Whether an item's P V runs per kv head over the whole block (sub_keys).
+  static bool pv_per_head(const AttnParams& p) { return p.pv_whole && all_heads(p); }
   // Keys per block: the item's K rows (of every head it takes) in about decode_block_bytes()
   // (a share of the core's L2), so that K and V streams alternate as often per byte in every
   // width; a multiple of 16 keys.
@@ -69,7 +71,7 @@ struct FlashDecode {
   // sub-block at a time, so that the item reads whole rows in order, a few at a time, each
   // sub-block's rows (of every head) in about decode_sub_bytes() (a share of the core's L1d,
   // isa.cpp); a multiple of the keys the trait's Q.K takes at a time (decode_key_group), at
-  // least one group. Its P V passes too, unless p.pv_whole: then each head's P V takes the whole
+  // least one group. Its P V passes too, unless pv_per_head: then each head's P V takes the whole
   // block, its V rows in L2 by then (prefetched a block ahead), so that P V's accumulators are
   // loaded and stored once a block. One head per item: the block.
   static int sub_keys(const AttnParams& p) {
@@ -101,11 +103,11 @@ struct FlashDecode {
   // too, but in light decode (light_decode: little compute per byte) one per O::kLightVEvery
   // bytes (the decode trait's: how its P V walks a row, generic_ops.h), the hardware streamer
   // fetching the lines between as P V reads the rows in order. Not where an all-heads item's
-  // P V walks one head's slice of the block's rows at a time (p.pv_whole), rows apart: no
+  // P V walks one head's slice of the block's rows at a time (pv_per_head), rows apart: no
   // streamer follows that.
   template <class O>
   static int prefetch_every(const AttnParams& p, bool v) {
-    return v && light_decode(p) && !(p.pv_whole && all_heads(p)) ? O::kLightVEvery : 64;
+    return v && light_decode(p) && !pv_per_head(p) ? O::kLightVEvery : 64;
   }
 
   // Paged caches are read in place when pages hold a multiple of 16 keys; smaller or odd pages
@@ -414,7 +416,7 @@ struct FlashDecode {
         clock.lap(&PathCounters::decode_softmax_ns);
       });
       if (!any_head) continue;
-      const int pv_sub = p.pv_whole ? nk : sub;  // (sub_keys)
+      const int pv_sub = pv_per_head(p) ? nk : sub;
       if (pv_sub > sub) count_path(p, &PathCounters::decode_pv_whole_blocks, 1);
       with_rows(vs, p.Dv, true, L.v_at, L.v_pf, [&](const auto& vr) {
         for (int j = 0; j < nk; j += pv_sub) {

@@ -33,6 +33,7 @@ PATHS = {
     "whole_q": ("fwd", (8, 12, 12, 256, 64), torch.float32, True),
     "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
     "fused_rows": ("train", (1, 16, 16, 1024, 64), torch.float32, True),
+    "fused_sdp": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, False),
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
     "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
     "e4m3_fast": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
@@ -49,6 +50,8 @@ WHAT = {
     "whole_q": "one q block per head on short sequences",
     "fused_bwd": "one backward pass per (batch, kv head) instead of two sweeps",
     "fused_rows": "backward: P and dS made per S / dP GEMM tile while it is in L1",
+    "fused_sdp": "backward, bf16: S and dP in one micro-tile, P and dS in registers into the bf16 "
+                 "operands of dV, dK and dQ",
     "decode": "split-KV decode for short queries",
     "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
     "e4m3_fast": "a float8 cache widened without F16C's conversion (avx2)",
@@ -100,7 +103,8 @@ def run_path(name, repeats):
     return {"path": name, "mode": mode, "shape": [B, Hq, Hkv, Lq, L, D],
             "dtype": str(dtype).replace("torch.", ""), "causal": causal, "tier": chosen["tier"],
             "plan_takes_it": bool(chosen[field]), "on_ms": on * 1e3, "off_ms": off * 1e3,
-            "gain": off / on, "gflops_on": flops(B, Hq, Lq, L, D, causal, mode) / on * 1e-9}
+            "gain": off / on, "gflops_on": flops(B, Hq, Lq, L, D, causal, mode) / on * 1e-9,
+            "repeats": repeats}
 
 
 def markdown(meta, rows):
@@ -132,7 +136,7 @@ def main(argv=None):
         names = parse_names("path", args.paths, PATHS)
     except ValueError as e:
         ap.error(str(e))
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -117,6 +117,10 @@ def profile(tier, dtype, shape, causal, calls, threads, mode="fwd"):
     flops = 2.0 * B * H * visible_pairs(L, L, causal) * D  # one GEMM's
     for step, n in gemms.items():
         out[f"{step}_gflops"] = n * flops / ns[step] if ns[step] else None
+    # the backward's S and dP in one micro-tile (bwd_sdp): both GEMMs' time counted under s
+    out["s_with_dp"] = mode == "train" and not ns["dp"] and bool(ns["s"])
+    if out["s_with_dp"]:
+        out["s_gflops"] = 2 * flops / ns["s"]
     return out
 
 
@@ -223,13 +227,17 @@ def main(argv=None):
                             ref = peak["bf16_dot_gflops"] / threads  # (AMX: its tiles are faster)
                     rate = lambda g: "-" if g is None else (  # noqa: E731
                         f"{g:.1f}" + (f" ({100 * g / ref:.0f}%)" if ref else ""))
+                    mark = {"s": "*" if r["s_with_dp"] else ""}
                     print(f"{tier:<12}{dt:<6}{'x'.join(map(str, shape)):<16}"
                           f"{'yes' if causal else 'no':<7}{r['wall_ms']:8.2f}  "
                           + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in steps + ("other",))
-                          + "".join(f"{rate(r[g + '_gflops']):>{len(g) + 17}}" for g in gemms),
+                          + "".join(f"{rate(r[g + '_gflops']) + mark.get(g, ''):>{len(g) + 17}}"
+                                    for g in gemms),
                           flush=True)
                     rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape), causal=causal,
                                      peak_per_thread_gflops=ref))
+    if any(r["s_with_dp"] for r in rows):
+        print("* S and dP in one micro-tile (bwd_sdp): the rate of both GEMMs, their time under s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": mode, "threads": threads, "torch": torch.__version__,

@@ -165,6 +165,7 @@ void set_blocks(AttnParams* seg, int64_t n, const KernelPolicy& pol) {
     seg[s].bq = pol.bq, seg[s].bk = pol.bk;
     seg[s].fused_exp = pol.fused_exp;
     seg[s].fused_rows = pol.fused_rows;
+    seg[s].fused_sdp = pol.fused_sdp;
     seg[s].fp16_pv = pol.fp16_pv;
     seg[s].e4m3_fast = pol.e4m3_fast;
     seg[s].near_pf = pol.near_pf;

@@ -96,6 +96,7 @@ py::list tiers_list() {
       if (built->fused_exp) paths.append("fused_exp");
       if (built->transposed_s) paths.append("transposed");
       if (built->fused_bwd_rows) paths.append("fused_bwd_rows");
+      if (built->bwd_sdp) paths.append("bwd_sdp");
       if (built->fp16_pv) paths.append("fp16_pv");
       if (built->e4m3_fast) paths.append("e4m3_fast");
       if (built->near_pf) paths.append("near_pf");

@@ -137,6 +137,9 @@ struct AttnParams {
   // Backward: P and dS may be made tile by tile from the S and dP GEMMs' stores (tiers with
   // fused_bwd_rows; plan.cpp decides).
   bool fused_rows;
+  // Backward, those tiles: S and dP in one micro-tile, P and dS into the bf16 operands of the dV,
+  // dK and dQ GEMMs in registers (tiers with bwd_sdp; plan.cpp decides).
+  bool fused_sdp;
   // Decode over a float8_e4m3fn cache with bf16 / fp16 queries: P V in fp16 (the tier's
   // DecodeOpsOf<..>::fp16_pv trait; plan.cpp decides).
   bool fp16_pv;
@@ -165,6 +168,7 @@ struct AttnParams {
   X(fwd_tiles)              /* forward (q block, kv block) score tiles computed */           \
   X(bwd_tiles)              /* backward (q block, kv block) score tiles computed */          \
   X(bwd_fused_tiles)        /* of those, P and dS made per GEMM tile (fused_bwd_rows) */      \
+  X(bwd_sdp_tiles)          /* of those, S and dP in one micro-tile (bwd_sdp) */             \
   X(decode_blocks)          /* decode (split, kv block) score blocks computed */             \
   X(decode_gathered_blocks) /* of those, from a paged cache copied first */                  \
   X(decode_fp16_pv_blocks)  /* of those, P V over float8 V in fp16 (AVX512-FP16) */          \
@@ -277,6 +281,7 @@ struct CpuTier {
   int mr, nr, block_q, block_q_bwd;
   bool fused_exp, transposed_s;
   bool fused_bwd_rows;  // backward: P and dS made per tile while it is in L1 (not on AMX)
+  bool bwd_sdp;  // backward: those tiles' S and dP in one micro-tile (gemm_sdp_loop)
   bool fp16_pv;  // decode kernels running P V over float8 V in fp16 (AVX512-FP16)
   bool e4m3_fast;  // decode kernels widening float8 without F16C (dims multiples of 16)
   bool near_pf;  // decode kernels whose prefetches may run near (the trait's kDecodeNearPf)

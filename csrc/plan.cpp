@@ -133,6 +133,8 @@ KernelPolicy plan_backward(const AttnParams& p) {
   KernelPolicy pol = base_policy(p);
   choose_blocks(p, *pol.tier, pol.tier->block_q_bwd, o.bwd_bq, o.bwd_bk, &pol);
   pol.fused_rows = pol.tier->fused_bwd_rows && choose(o.fused_rows, true);
+  // (bench_paths fused_sdp is the case that shows the gain)
+  pol.fused_sdp = pol.fused_rows && pol.tier->bwd_sdp && choose(o.fused_sdp, true);
   // The single pass has one item per (batch, kv head), all equally expensive; it wins unless
   // those items leave threads idle (the two sweeps do 7/5 of its gemm work). Both give the same
   // bits (the same tiles accumulated in the same order), so this thread-count choice never

@@ -17,6 +17,7 @@ struct KernelPolicy {
   bool whole_q;     // forward: one q block per (batch, head)
   bool fused_bwd;   // backward: one pass per (batch, kv head) instead of two sweeps
   bool fused_rows;  // backward: P and dS made per S / dP GEMM tile (flash_bwd.h, fused_rows)
+  bool fused_sdp;   // backward, those tiles: S and dP in one micro-tile (gemm_sdp_loop)
   bool fp16_pv;     // decode over a float8 cache, bf16 / fp16 queries: P V in fp16
   bool e4m3_fast;   // decode over a float8 cache: the tier's fast widening (FlashDecode::run_split)
   bool near_pf;     // decode: prefetches a sub-block ahead, non-temporal (FlashDecode::ahead)
@@ -27,7 +28,7 @@ struct KernelPolicy {
 // KernelPolicy's fields after isa / tier, as a list (the report: module.cpp).
 #define FLASHSDPA_KERNEL_POLICY_FIELDS(X) \
   X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
-  X(fp16_pv) X(e4m3_fast) X(near_pf) X(pv_whole) X(bq) X(bk)
+  X(fused_sdp) X(fp16_pv) X(e4m3_fast) X(near_pf) X(pv_whole) X(bq) X(bk)
 
 // The policy of a forward / backward call described by p (sizes, strides, dtype, mask, dropout
 // and causal filled in); records it as this thread's last_policy().
@@ -47,8 +48,8 @@ KernelPolicy plan_backward(const AttnParams& p);
 // Forcing a path the tier or the call cannot take is ignored (the plan's conditions still hold).
 // Its fields, listed once: paths (1 on, 0 off, -1 the plan's choice) and blocks (0: the plan's).
 #define FLASHSDPA_POLICY_PATHS(X) \
-  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) X(fp16_pv) \
-  X(e4m3_fast) X(near_pf) X(pv_whole)
+  X(decode) X(transposed) X(prepack) X(fused_exp) X(whole_q) X(fused_bwd) X(fused_rows) \
+  X(fused_sdp) X(fp16_pv) X(e4m3_fast) X(near_pf) X(pv_whole)
 #define FLASHSDPA_POLICY_BLOCKS(X) X(fwd_bq) X(fwd_bk) X(bwd_bq) X(bwd_bk)
 #define FLASHSDPA_POLICY_FIELDS(X) FLASHSDPA_POLICY_PATHS(X) FLASHSDPA_POLICY_BLOCKS(X)
 struct PolicyOverride {

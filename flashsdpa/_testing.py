@@ -6,8 +6,9 @@
     with emulated("avx512"): ...             # the SIMDe build of a tier
     with poisoned(): ...                     # outputs and scratch start as NaN
 Every context restores what it found on exit. Policy fields: decode, transposed, prepack,
-fused_exp, whole_q, fused_bwd, fused_rows, fp16_pv, e4m3_fast, near_pf, pv_whole (1 on, 0 off,
--1 the plan's choice) and fwd_bq, fwd_bk, bwd_bq, bwd_bk (block sizes, 0 the plan's choice).
+fused_exp, whole_q, fused_bwd, fused_rows, fused_sdp, fp16_pv, e4m3_fast, near_pf, pv_whole
+(1 on, 0 off, -1 the plan's choice) and fwd_bq, fwd_bk, bwd_bq, bwd_bk (block sizes, 0 the
+plan's choice).
 """
 import contextlib
 

@@ -301,7 +301,8 @@ def test_bench_paths_runs_every_path(tmp_path):
     for r in rows:
         field = bench_paths.policy_field(r["path"])
         needs_trait = {"transposed": "transposed", "fused_exp": "fused_exp", "fp16_pv": "fp16_pv",
-                       "fused_rows": "fused_bwd_rows", "e4m3_fast": "e4m3_fast",
+                       "fused_rows": "fused_bwd_rows", "fused_sdp": "bwd_sdp",
+                       "e4m3_fast": "e4m3_fast",
                        "near_pf": "near_pf", "pv_whole": "pv_whole"}.get(field)
         assert r["plan_takes_it"] == (needs_trait is None or (
             needs_trait in tier_paths[r["tier"]] and cpu_has.get(field, True))), r
@@ -313,6 +314,23 @@ def test_bench_paths_bad_path_names_the_argument(tmp_path):
                           "nope", "--out", str(tmp_path / "x.json")], capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 2 and "--paths: unknown path 'nope'" in res.stderr
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_paths.py"), "--repeats",
+                          "0", "--out", str(tmp_path / "x.json")], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and "--repeats must be >= 1" in res.stderr
+
+
+def test_bench_paths_default_rounds(tmp_path):
+    """Without --repeats (as `make bench` runs it) each case takes its default rounds."""
+    sys.path.insert(0, BENCH)
+    import bench_paths
+    out = tmp_path / "paths.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "bench_paths.py"), "--paths",
+                          "whole_q", "--out", str(out)], capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["path"] == "whole_q" and row["repeats"] == bench_paths.REPEATS, row
 
 
 def tiny_rows(tmp_path, name, *args):
@@ -452,10 +470,16 @@ def test_phase_profile_train_tiny_run(tmp_path):
     assert data["mode"] == "train"
     assert {(r["tier"], r["dtype"]) for r in data["rows"]} == want
     assert len(data["rows"]) == 2 * len(want)
+    sdp = {t["name"] for t in _C.tiers() if "bwd_sdp" in t["paths"]}
     for r in data["rows"]:
-        shares = [r[f"{s}_share"] for s in ("pack", "s", "dp", "dkdv", "dq", "rows")]
-        assert all(x > 0 for x in shares) and abs(sum(shares) + r["other_share"] - 1) < 1e-6, r
-        assert all(r[f"{g}_gflops"] > 0 for g in ("s", "dp", "dkdv", "dq")), r
+        # (S and dP in one micro-tile: both GEMMs' time under s, dp untimed)
+        assert r["s_with_dp"] == (r["tier"] in sdp and r["dtype"] == "bf16"), r
+        shares = {s: r[f"{s}_share"] for s in ("pack", "s", "dp", "dkdv", "dq", "rows")}
+        assert abs(sum(shares.values()) + r["other_share"] - 1) < 1e-6, r
+        assert all(x > 0 for s, x in shares.items() if s != "dp"), r
+        assert (shares["dp"] == 0) == r["s_with_dp"], r
+        assert all(r[f"{g}_gflops"] > 0 for g in ("s", "dkdv", "dq")), r
+        assert (r["dp_gflops"] is None) == r["s_with_dp"], r
     assert "backward phase profile" in res.stdout
 
 

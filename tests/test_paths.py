@@ -262,6 +262,51 @@ def test_backward_fused_rows(tier, case, dtype):
         assert_paths_close(a, b)
 
 
+# name -> (Hq, Hkv, Lq, Lk, D, Dv, flash_attn_func / SDPA keywords) for the sdp tiles: ragged
+# row groups (an odd last group pairs its row with zeros), GQA, bands, and a Dv != D call
+# that keeps the two GEMMs
+SDP_CASES = dict({"full": (2, 2, 301, 512, 32, 32, {}), "gqa-d64": (4, 2, 97, 256, 64, 64, {}),
+                  "dv": (2, 2, 130, 256, 64, 32, {})},
+                 **{k: (2, 2, lq, lk, 32, 32, kw) for k, (lq, lk, kw) in BAND_CASES.items()})
+
+
+@pytest.mark.parametrize("case", list(SDP_CASES))
+def test_backward_sdp_tiles(tier, case):
+    """bf16 backward on a tier with bwd_sdp: S and dP run in one micro-tile whose P and dS go
+    in registers into the dV, dK and dQ GEMMs' bf16 operands (counted by the kernels; not where
+    Dv != D); gradients within the rule against the fp64 reference, and bit for bit those of
+    the two GEMM passes it replaces, with every output and scratch buffer starting as NaN."""
+    from test_variants import check
+    hq, hkv, lq, lk, d, dv, kw = SDP_CASES[case]
+    dtype = torch.bfloat16
+    q, k, v = make_qkv(1, hq, hkv, lq, lk, d, dtype=dtype)
+    v = v[..., :dv].contiguous() if dv != d else v
+    if dv != d:  # (flash_attn_func takes one head dim)
+        run = lambda q, k, v, _kw: flashsdpa.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, enable_gqa=hq != hkv)
+        ref_kw = {}
+    else:
+        run = lambda q, k, v, _kw: flashsdpa.flash_attn_func(  # noqa: E731
+            *(t.transpose(1, 2) for t in (q, k, v)), **kw).transpose(1, 2)
+        ref_kw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)))
+    grads = {}
+    for on in (1, 0):
+        with _testing.policy(fused_sdp=on), _testing.counting() as n, _testing.poisoned():
+            if dv == d:
+                check(q, k, v, ref_kw, dtype, f"{tier} {case} fused_sdp={on}", run=run,
+                      bottom_right=True)
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = run(*leaves, {})
+            grads[on] = torch.autograd.grad(out, leaves, out.detach().cos())
+            c = n()
+            can = "bwd_sdp" in ran_paths() and _testing.last_policy()["fused_rows"]
+        assert (c["bwd_sdp_tiles"] > 0) == bool(on and can and dv == d), (on, c)
+        assert c["bwd_sdp_tiles"] <= c["bwd_fused_tiles"] <= c["bwd_tiles"]
+    for a, b in zip(grads[1], grads[0]):
+        assert not a.isnan().any()
+        assert torch.equal(a, b)
+
+
 def test_whole_q_block(tier):
     """Short sequences take one q block per head when the items keep the threads busy; the
     output is bit-identical to the tier's q blocks."""

@@ -280,6 +280,77 @@ struct Avx512Bf16Ops : Avx512Ops {
 
   FLASHSDPA_TRAIT_GEMM(Avx512Bf16Ops)
 
+  // The backward's S and dP tiles of one group of R <= kSdpRows rows in one micro-tile
+  // (gemm_sdp_loop, flash_bwd.h fused_rows): S = Q K^T and dP = dO V^T over the same inner
+  // steps (D == Dv), 6 x 32 each, then P = 2^(S * smul - m) * inv_l and dS = P (dP - delta) in
+  // registers, with exp2_band_scaled's and ds_band's operations (the same bits: 0 on the
+  // columns not set in band[n], as those give off the band), rounded to bf16 straight into the
+  // three A operands the dV, dK and dQ GEMMs read: P^T and dS^T as prep_a<true>'s pairs of rows
+  // (the group's rows n, n + 1 one pair row of pt / dst, ldt floats apart; a last odd row pairs
+  // with 0) and dS as prep_a<false>'s rows (ds, ldr words apart). The fp32 tiles are never
+  // stored. K = 0: zeros (a tile no row sees).
+  static constexpr int kSdpRows = 6;
+  template <int R>
+  static inline void micro_tile_sdp(int K, const float* q, int ldq, const float* dO, int lddo,
+                                    const float* kt, const float* vt, const uint32_t* band,
+                                    float smul, const float* m, const float* inv_l,
+                                    const float* delta, float* pt, float* dst, int ldt,
+                                    uint16_t* ds, int64_t ldr) {
+    static_assert(R >= 1 && R <= kSdpRows, "1 to 6 rows");
+    __m512 s[R][2], d[R][2];
+#pragma GCC unroll 6
+    for (int n = 0; n < R; ++n)
+      s[n][0] = s[n][1] = d[n][0] = d[n][1] = _mm512_setzero_ps();
+    const uint32_t* A = reinterpret_cast<const uint32_t*>(q);
+    const uint32_t* G = reinterpret_cast<const uint32_t*>(dO);
+    const uint16_t* BK = bf16_words(kt);
+    const uint16_t* BV = bf16_words(vt);
+    const int kp_n = (K + 1) / 2;
+    for (int kp = 0; kp < kp_n; ++kp) {
+      const __m512bh k0 = (__m512bh)_mm512_load_si512(BK + kp * 2 * NR);
+      const __m512bh k1 = (__m512bh)_mm512_load_si512(BK + kp * 2 * NR + 32);
+      const __m512bh v0 = (__m512bh)_mm512_load_si512(BV + kp * 2 * NR);
+      const __m512bh v1 = (__m512bh)_mm512_load_si512(BV + kp * 2 * NR + 32);
+#pragma GCC unroll 6
+      for (int n = 0; n < R; ++n) {
+        const __m512bh aq = (__m512bh)_mm512_set1_epi32(int(A[int64_t(n) * ldq + kp]));
+        s[n][0] = _mm512_dpbf16_ps(s[n][0], aq, k0);
+        s[n][1] = _mm512_dpbf16_ps(s[n][1], aq, k1);
+        const __m512bh ad = (__m512bh)_mm512_set1_epi32(int(G[int64_t(n) * lddo + kp]));
+        d[n][0] = _mm512_dpbf16_ps(d[n][0], ad, v0);
+        d[n][1] = _mm512_dpbf16_ps(d[n][1], ad, v1);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(smul);
+    __m512i p16[R], ds16[R];
+#pragma GCC unroll 6
+    for (int n = 0; n < R; ++n) {
+      const uint32_t bits = band ? band[n] : ~0u;
+      const __m512 mv = _mm512_set1_ps(-m[n]), kv = _mm512_set1_ps(inv_l[n]);
+      const __m512 dv = _mm512_set1_ps(delta[n]);
+      __m512 pr[2], dr[2];
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 keep = __mmask16(bits >> (16 * h));
+        pr[h] = _mm512_mul_ps(exp2_16<true>(_mm512_fmadd_ps(s[n][h], sv, mv), keep), kv);
+        dr[h] = _mm512_maskz_mul_ps(keep, pr[h], _mm512_sub_ps(d[n][h], dv));
+      }
+      p16[n] = (__m512i)_mm512_cvtne2ps_pbh(pr[1], pr[0]);
+      ds16[n] = (__m512i)_mm512_cvtne2ps_pbh(dr[1], dr[0]);
+      _mm512_storeu_si512(ds + n * ldr, ds16[n]);
+    }
+#pragma GCC unroll 3
+    for (int n = 0; n < R; n += 2) {
+      const __m512i z = _mm512_setzero_si512();
+      const __m512i pb = n + 1 < R ? p16[n + 1] : z, db = n + 1 < R ? ds16[n + 1] : z;
+      float* tp = pt + int64_t(n / 2) * ldt;
+      float* td = dst + int64_t(n / 2) * ldt;
+      _mm512_storeu_si512(tp, interleave_lo(p16[n], pb));
+      _mm512_storeu_si512(tp + 16, interleave_hi(p16[n], pb));
+      _mm512_storeu_si512(td, interleave_lo(ds16[n], db));
+      _mm512_storeu_si512(td + 16, interleave_hi(ds16[n], db));
+    }
+  }
+
   // S GEMM with the exponentials fused (gemm_exp_loop, generic_ops.h: micro_tile<false, R,
   // true> puts P in bf16 into the A operand of P V).
   FLASHSDPA_TRAIT_GEMM_EXP(Avx512Bf16Ops)

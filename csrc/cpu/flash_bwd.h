@@ -51,9 +51,9 @@ struct FlashBackward {
       kt = c.take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
       vt = c.take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
       kp = c.take(copy * bl.bk * dp_);      // K_blk panels (dQ += dS K)
-      s = c.take(int64_t(bl.bq) * bkp);     // P
-      pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout only)
-      dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS
+      s = c.take(int64_t(bl.bq) * bkp);     // P (sdp tiles: P^T's bf16 pairs)
+      pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout; sdp tiles: dS^T's pairs)
+      dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS (sdp tiles: dS in bf16)
       dk = c.take(int64_t(bl.bk) * dp_);    // dK accumulator
       dv = c.take(int64_t(bl.bk) * dvp);    // dV accumulator
       dq = c.take(int64_t(bl.bq) * dp_);    // dQ accumulator
@@ -123,6 +123,9 @@ struct FlashBackward {
   struct Tile {
     const float* pd;  // the P that multiplies dO for dV (dropped out, or P itself)
     const float* ds;  // dS
+    // or, from gemm_sdp_loop (p.fused_sdp), the A operands themselves, ld L.lds: P^T and dS^T
+    // (of the dV, dK GEMMs) and dS (of dQ); null otherwise
+    const float *pt_a = nullptr, *dst_a = nullptr, *ds_a = nullptr;
   };
   static bool tile_ds(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                       int64_t i0, int nq, int64_t j0, int nk, Tile* tile, StepClock& clock) {
@@ -134,7 +137,7 @@ struct FlashBackward {
     count_path(p, &PathCounters::bwd_tiles, 1);
     tile->pd = dropout ? pd : s;
     tile->ds = dp;
-    if (fused_rows(p, L, b, h, i0, nq, nk, ct, clock)) return true;
+    if (fused_rows(p, L, b, h, i0, nq, nk, ct, tile, clock)) return true;
 
     // S = Q_blk K_blk^T, then P = 2^(s - m) * inv_l
     Ops::template gemm<false>(nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * Ops::NR, s,
@@ -197,9 +200,14 @@ struct FlashBackward {
   // the forward's stats, fit to be the reference (fused_ref_ok; a row that sees nothing takes
   // tile_ds's own path): P = 2^(s - m) * inv_l and dS = P * (dP - delta) are made from each
   // S / dP GEMM tile while it is in L1 (gemm_rows_then, 0 off the band) instead of by passes
-  // over the rows. Returns whether it ran.
+  // over the rows. With p.fused_sdp on a trait with bwd_sdp (and D == Dv), S and dP run in one
+  // pass whose tiles give P and dS in registers, rounded straight into the dV, dK and dQ GEMMs'
+  // bf16 operands (gemm_sdp_loop: the same P and dS as the two passes', bit for bit, without
+  // their fp32 stores and the three prep_a passes); the step's time is counted under s.
+  // Returns whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
-                         int64_t i0, int nq, int nk, const VisTile& ct, StepClock& clock) {
+                         int64_t i0, int nq, int nk, const VisTile& ct, Tile* tile,
+                         StepClock& clock) {
     if constexpr (!fused_bwd_rows<Ops>()) {
       return false;
     } else {
@@ -217,6 +225,17 @@ struct FlashBackward {
       const float smul = caps<Ops>().scale_in_a ? 1.0f : p.scale * kLog2e;
       int lddo;
       const float* dO = do_a(p, L, b, h, i0, &lddo);
+      if constexpr (bwd_sdp<Ops>()) {
+        if (p.fused_sdp && p.D == p.Dv) {
+          count_path(p, &PathCounters::bwd_sdp_tiles, 1);
+          // P^T in s, dS^T in pd, dS in dp: the fp32 tiles they would hold are never made
+          gemm_sdp_loop<Ops>(nq, nk, int(p.D), L.q, L.ldq, dO, lddo, L.kt, L.vt, p.D * NR,
+                             ct.limit_n(), smul, m, inv_l, delta, L.s, L.pd, L.dp, L.lds);
+          tile->pt_a = L.s, tile->dst_a = L.pd, tile->ds_a = L.dp;
+          clock.lap(&PathCounters::bwd_s_ns);
+          return true;
+        }
+      }
       gemm_rows_then<Ops>(
           nq, nk, int(p.D), L.q, L.ldq, L.kt, p.D * NR, L.s, L.lds, ct.limit_n(),
           [&](float* row, int r, int, int first, int end) {
@@ -290,11 +309,13 @@ struct FlashBackward {
                        int nq, int64_t j0, int nk, const Tile& tile, float* dk, float* dv,
                        StepClock& clock) {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
-    int lda;
-    const float* a = Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
+    int lda = L.lds;
+    const float* a =
+        tile.pt_a ? tile.pt_a : Ops::template prep_a<true>(tile.pd, L.lds, nk, nq, L.a16, &lda);
     gemm_b<true>(p, nk, int(p.Dv), nq, a, lda, do_row<T>(p, b, h, i0), p.do_sl, L.dop, dv,
                  L.lddv, ct.limit_t());
-    a = Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
+    a = tile.dst_a ? tile.dst_a
+                   : Ops::template prep_a<true>(tile.ds, L.lds, nk, nq, L.a16, &lda);
     gemm_b<true>(p, nk, int(p.D), nq, a, lda, q_row<T>(p, b, h, i0), p.q_sl, L.qp, dk, L.ldd,
                  ct.limit_t());
     clock.lap(&PathCounters::bwd_dkdv_ns);
@@ -306,8 +327,9 @@ struct FlashBackward {
                      int nq, int64_t j0, int nk, const Tile& tile, float* dq,
                      StepClock& clock) {
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);
-    int lda;
-    const float* a = Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, L.a16, &lda);
+    int lda = L.lds;
+    const float* a =
+        tile.ds_a ? tile.ds_a : Ops::template prep_a<false>(tile.ds, L.lds, nq, nk, L.a16, &lda);
     gemm_b<false>(p, nq, int(p.D), nk, a, lda, k_row<T>(p, b, hk, j0), p.k_sl, L.kp, dq, L.ldd,
                   ct.limit_k());
     clock.lap(&PathCounters::bwd_dq_ns);

@@ -147,6 +147,18 @@ constexpr bool fused_bwd_rows() {
   return caps<Ops>().scale_in_a || caps<Ops>().fused_exp;
 }
 
+// Whether the backward's fused tiles make S and dP in one micro-tile, P and dS in registers
+// straight into the bf16 operands of the dV, dK and dQ GEMMs (gemm_sdp_loop; flash_bwd.h
+// fused_rows): traits with fused_bwd_rows that give a micro_tile_sdp (Ops::kSdpRows rows).
+template <class Ops, class = void>
+struct HasSdpTile : std::false_type {};
+template <class Ops>
+struct HasSdpTile<Ops, std::void_t<decltype(Ops::kSdpRows)>> : std::true_type {};
+template <class Ops>
+constexpr bool bwd_sdp() {
+  return fused_bwd_rows<Ops>() && HasSdpTile<Ops>::value;
+}
+
 // A band's restriction of a gemm (visibility.h), per group of MR rows: the group of rows
 // [i, i + R) needs only the columns of B (on_n) or the inner steps (!on_n) in
 // [lo_off + i, hi_off + i + R) (either side only when has_lo / has_hi): before them lies the
@@ -306,6 +318,40 @@ inline void gemm_rows_then(int M, int N, int K, const float* a, int lda, const f
   });
 }
 
+// Ops::micro_tile_sdp<r> for a run-time row count r in [1, R].
+template <class Ops, int R, class... Args>
+inline void sdp_rows(int r, Args... args) {
+  if constexpr (R > 1) {
+    if (r != R) return sdp_rows<Ops, R - 1>(r, args...);
+  }
+  Ops::template micro_tile_sdp<R>(args...);
+}
+
+// The backward's S and dP GEMMs in one pass for a trait with Ops::micro_tile_sdp (bwd_sdp):
+// C-tiles of kSdpRows rows x NR columns in panel-outer order, each giving the bf16 operands of
+// the dV, dK and dQ GEMMs (pt, dst: pair rows ld floats apart; ds: rows ld floats apart) with
+// the columns row n does not see under `lim` 0, a tile no row of its group sees all 0. M
+// (queries) and N (keys, a multiple of NR) as in gemm_rows_then; q / dO: A rows, kt / vt: the
+// K^T / V^T panels, bstride floats apart (K = D = Dv).
+template <class Ops>
+inline void gemm_sdp_loop(int M, int N, int K, const float* q, int ldq, const float* dO,
+                          int lddo, const float* kt, const float* vt, int64_t bstride,
+                          const RowLimit* lim, float smul, const float* m, const float* inv_l,
+                          const float* delta, float* pt, float* dst, float* ds, int ld) {
+  constexpr int NR = Ops::NR, MR = Ops::kSdpRows;
+  static_assert(MR % 2 == 0, "row groups of whole pairs");
+  for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
+    const TileBand<NR> band(lim, p, i, R);
+    uint32_t bits[MR] = {};
+    const uint32_t* bb = band.none() ? bits : band.bits(bits);
+    uint16_t* dsr = reinterpret_cast<uint16_t*>(ds + int64_t(i) * ld) + p * NR;
+    const int64_t off = int64_t(i / 2) * ld + p * NR;
+    const int k = band.none() ? 0 : kk;
+    sdp_rows<Ops, MR>(R, k, q + int64_t(i) * ldq, ldq, dO + int64_t(i) * lddo, lddo,
+                      kt + p * bstride, vt + p * bstride, bb, smul, m + i, inv_l + i, delta + i,
+                      pt + off, dst + off, ld, dsr, 2 * int64_t(ld));
+  });
+}
 // gemm_exp_loop for the transposed scores S^T = K Q^T (flash_fwd.h, run_item_t): the
 // reference and the sums are per column (query): mref[n], sumv[n] for n < round_up(N, NR).
 // Under a RowLimit (lim_st: a band's edge crosses the block; rows: keys, on_n: queries) a tile

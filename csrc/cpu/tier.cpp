@@ -41,7 +41,8 @@ const CpuTier* FLASHSDPA_CAT(tier_, FLASHSDPA_TIER_NS)() {
   constexpr bool e4m3_fast = !std::is_same<E4m3::exact, E4m3::type>::value;
   static const CpuTier tier{FLASHSDPA_STR(FLASHSDPA_TIER), Ops::MR, Ops::NR, Ops::kBlockQ,
                             Ops::kBlockQBwd, caps.fused_exp, caps.transposed_s,
-                            FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(), fp16_pv, e4m3_fast,
+                            FLASHSDPA_TIER_NS::fused_bwd_rows<Ops>(),
+                            FLASHSDPA_TIER_NS::bwd_sdp<Ops>(), fp16_pv, e4m3_fast,
                             Ops::kDecodeNearPf, Ops::kDecodePvWhole,
                             &Impl::plan,
                             &Impl::run, &Ops::Row::exp2_row_sum,

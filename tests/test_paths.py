@@ -274,8 +274,9 @@ SDP_CASES = dict({"full": (2, 2, 301, 512, 32, 32, {}), "gqa-d64": (4, 2, 97, 25
 def test_backward_sdp_tiles(tier, case):
     """bf16 backward on a tier with bwd_sdp: S and dP run in one micro-tile whose P and dS go
     in registers into the dV, dK and dQ GEMMs' bf16 operands (counted by the kernels; not where
-    Dv != D); gradients within the rule against the fp64 reference, and bit for bit those of
-    the two GEMM passes it replaces, with every output and scratch buffer starting as NaN."""
+    Dv != D); gradients within the rule against the fp64 reference, and those of the two GEMM
+    passes it replaces up to rounding (P's exponent is the forward's bf16 polynomial there),
+    with every output and scratch buffer starting as NaN."""
     from test_variants import check
     hq, hkv, lq, lk, d, dv, kw = SDP_CASES[case]
     dtype = torch.bfloat16
@@ -304,7 +305,7 @@ def test_backward_sdp_tiles(tier, case):
         assert c["bwd_sdp_tiles"] <= c["bwd_fused_tiles"] <= c["bwd_tiles"]
     for a, b in zip(grads[1], grads[0]):
         assert not a.isnan().any()
-        assert torch.equal(a, b)
+        assert_paths_close(a, b)
 
 
 def test_whole_q_block(tier):

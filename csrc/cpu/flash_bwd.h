@@ -202,8 +202,8 @@ struct FlashBackward {
   // S / dP GEMM tile while it is in L1 (gemm_rows_then, 0 off the band) instead of by passes
   // over the rows. With p.fused_sdp on a trait with bwd_sdp (and D == Dv), S and dP run in one
   // pass whose tiles give P and dS in registers, rounded straight into the dV, dK and dQ GEMMs'
-  // bf16 operands (gemm_sdp_loop: the same P and dS as the two passes', bit for bit, without
-  // their fp32 stores and the three prep_a passes); the step's time is counted under s.
+  // bf16 operands (gemm_sdp_loop: P and dS as the two passes make them, up to P's exponent,
+  // without their fp32 stores and the three prep_a passes); the step's time is counted under s.
   // Returns whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                          int64_t i0, int nq, int nk, const VisTile& ct, Tile* tile,

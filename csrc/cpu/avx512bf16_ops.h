@@ -283,14 +283,14 @@ struct Avx512Bf16Ops : Avx512Ops {
   // The backward's S and dP tiles of one group of R <= kSdpRows rows in one micro-tile
   // (gemm_sdp_loop, flash_bwd.h fused_rows): S = Q K^T and dP = dO V^T over the same inner
   // steps (D == Dv), 6 x 32 each, then P = 2^(S * smul - m) * inv_l and dS = P (dP - delta) in
-  // registers (0 on the columns not set in band[n]), rounded to bf16 straight into the
-  // three A operands the dV, dK and dQ GEMMs read: P^T and dS^T as prep_a<true>'s pairs of rows
-  // (the group's rows n, n + 1 one pair row of pt / dst, ldt floats apart; a last odd row pairs
+  // registers (0 on the columns not set in band[n]), rounded to bf16 straight into the three A
+  // operands the dV, dK and dQ GEMMs read: P^T and dS^T as prep_a<true>'s pairs of rows (the
+  // group's rows n, n + 1 one pair row of pt / dst, ldt floats apart; a last odd row pairs
   // with 0) and dS as prep_a<false>'s rows (ds, ldr words apart). The fp32 tiles are never
-  // stored. K = 0: zeros (a tile no row sees). P's exponent is the forward's bf16 one
-  // (kExp2DegreeBf16P, unclamped as in the fused epilogues: the scores are products), whose
-  // 7.5e-5 relative error sits 50x below the bf16 rounding that P and dS take next (and the
-  // epilogue, unlike the two passes', is on the tile's critical path).
+  // stored. P's exponent is the forward's bf16 one (kExp2DegreeBf16P, unclamped as in the
+  // fused epilogues: the scores are products), whose 7.5e-5 relative error sits 50x below the
+  // bf16 rounding that P and dS take next (and the epilogue, unlike the two passes', is on
+  // the tile's critical path).
   static constexpr int kSdpRows = 6;
   template <int R>
   static inline void micro_tile_sdp(int K, const float* q, int ldq, const float* dO, int lddo,

@@ -330,9 +330,9 @@ inline void sdp_rows(int r, Args... args) {
 // The backward's S and dP GEMMs in one pass for a trait with Ops::micro_tile_sdp (bwd_sdp):
 // C-tiles of kSdpRows rows x NR columns in panel-outer order, each giving the bf16 operands of
 // the dV, dK and dQ GEMMs (pt, dst: pair rows ld floats apart; ds: rows ld floats apart) with
-// the columns row n does not see under `lim` 0, a tile no row of its group sees all 0. M
-// (queries) and N (keys, a multiple of NR) as in gemm_rows_then; q / dO: A rows, kt / vt: the
-// K^T / V^T panels, bstride floats apart (K = D = Dv).
+// the columns row n does not see under `lim` 0; a tile no row of its group sees is stored as
+// zeros without a product. M (queries) and N (keys, a multiple of NR) as in gemm_rows_then;
+// q / dO: A rows, kt / vt: the K^T / V^T panels, bstride floats apart (K = D = Dv).
 template <class Ops>
 inline void gemm_sdp_loop(int M, int N, int K, const float* q, int ldq, const float* dO,
                           int lddo, const float* kt, const float* vt, int64_t bstride,
@@ -342,12 +342,18 @@ inline void gemm_sdp_loop(int M, int N, int K, const float* q, int ldq, const fl
   static_assert(MR % 2 == 0, "row groups of whole pairs");
   for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     const TileBand<NR> band(lim, p, i, R);
-    uint32_t bits[MR] = {};
-    const uint32_t* bb = band.none() ? bits : band.bits(bits);
     uint16_t* dsr = reinterpret_cast<uint16_t*>(ds + int64_t(i) * ld) + p * NR;
     const int64_t off = int64_t(i / 2) * ld + p * NR;
-    const int k = band.none() ? 0 : kk;
-    sdp_rows<Ops, MR>(R, k, q + int64_t(i) * ldq, ldq, dO + int64_t(i) * lddo, lddo,
+    if (band.none()) {  // zeros: NR words of each pair row of pt / dst, NR bf16 of each ds row
+      for (int n = 0; n < R; n += 2)
+        for (int x = 0; x < NR; ++x) pt[off + n / 2 * ld + x] = dst[off + n / 2 * ld + x] = 0.0f;
+      for (int n = 0; n < R; ++n)
+        for (int x = 0; x < NR; ++x) dsr[n * 2 * int64_t(ld) + x] = 0;
+      return;
+    }
+    uint32_t bits[MR];
+    const uint32_t* bb = band.bits(bits);
+    sdp_rows<Ops, MR>(R, kk, q + int64_t(i) * ldq, ldq, dO + int64_t(i) * lddo, lddo,
                       kt + p * bstride, vt + p * bstride, bb, smul, m + i, inv_l + i, delta + i,
                       pt + off, dst + off, ld, dsr, 2 * int64_t(ld));
   });

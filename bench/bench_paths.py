@@ -34,6 +34,7 @@ PATHS = {
     "fused_bwd": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, True),
     "fused_rows": ("train", (1, 16, 16, 1024, 64), torch.float32, True),
     "fused_sdp": ("train", (1, 16, 16, 1024, 64), torch.bfloat16, False),
+    "fused_sdp@fp32": ("train", (1, 16, 16, 1024, 64), torch.float32, False),
     "decode": ("decode", (1, 32, 8, 8192, 128), torch.bfloat16, False),
     "fp16_pv": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
     "e4m3_fast": ("decode-fp8", (1, 32, 8, 16384, 128), torch.bfloat16, False),
@@ -52,6 +53,8 @@ WHAT = {
     "fused_rows": "backward: P and dS made per S / dP GEMM tile while it is in L1",
     "fused_sdp": "backward, bf16: S and dP in one micro-tile, P and dS in registers into the bf16 "
                  "operands of dV, dK and dQ",
+    "fused_sdp@fp32": "the same on fp32 (avx512: P and dS stored from registers as the GEMMs' "
+                      "operands)",
     "decode": "split-KV decode for short queries",
     "fp16_pv": "P V over a float8 cache in fp16 (AVX512-FP16)",
     "e4m3_fast": "a float8 cache widened without F16C's conversion (avx2)",

@@ -277,6 +277,55 @@ struct Avx512Ops : Avx2Ops {
 
   FLASHSDPA_TRAIT_GEMM(Avx512Ops)
 
+  // The backward's S and dP tiles of one group of R <= kSdpRows rows in one micro-tile
+  // (gemm_sdp_loop, flash_bwd.h fused_rows): S = Q K^T and dP = dO V^T over the same inner
+  // steps (D == Dv), 6 x 32 each (Q pre-scaled), then P = 2^(S - m) * inv_l and
+  // dS = P (dP - delta) in registers with exp2_band_scaled's and ds_band's operations (0 on the
+  // columns not set in band[n]), stored as the fp32 rows the dV, dK (P and dS, read
+  // transposed) and dQ GEMMs take as they are: P at pt, dS at ds, ldt floats apart (dst, the
+  // bf16 trait's dS^T, is ds here). The same P and dS as the two passes', bit for bit.
+  static constexpr int kSdpRows = 6;
+  template <int R>
+  static inline void micro_tile_sdp(int K, const float* q, int ldq, const float* dO, int lddo,
+                                    const float* kt, const float* vt, const uint32_t* band,
+                                    float smul, const float* m, const float* inv_l,
+                                    const float* delta, float* pt, float* dst, int ldt,
+                                    uint16_t* ds16, int64_t ldr) {
+    static_assert(R >= 1 && R <= kSdpRows, "1 to 6 rows");
+    (void)smul, (void)ds16, (void)ldr;  // (scale folded into Q; no bf16 operand)
+    __m512 s[R][2], d[R][2];
+#pragma GCC unroll 6
+    for (int n = 0; n < R; ++n)
+      s[n][0] = s[n][1] = d[n][0] = d[n][1] = _mm512_setzero_ps();
+    for (int kk = 0; kk < K; ++kk) {
+      const __m512 k0 = _mm512_loadu_ps(kt + kk * NR), k1 = _mm512_loadu_ps(kt + kk * NR + 16);
+      const __m512 v0 = _mm512_loadu_ps(vt + kk * NR), v1 = _mm512_loadu_ps(vt + kk * NR + 16);
+#pragma GCC unroll 6
+      for (int n = 0; n < R; ++n) {
+        const __m512 aq = _mm512_set1_ps(q[int64_t(n) * ldq + kk]);
+        s[n][0] = _mm512_fmadd_ps(aq, k0, s[n][0]);
+        s[n][1] = _mm512_fmadd_ps(aq, k1, s[n][1]);
+        const __m512 ad = _mm512_set1_ps(dO[int64_t(n) * lddo + kk]);
+        d[n][0] = _mm512_fmadd_ps(ad, v0, d[n][0]);
+        d[n][1] = _mm512_fmadd_ps(ad, v1, d[n][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int n = 0; n < R; ++n) {
+      const uint32_t bits = band ? band[n] : ~0u;
+      const __m512 mv = _mm512_set1_ps(-m[n]), kv = _mm512_set1_ps(inv_l[n]);
+      const __m512 dv = _mm512_set1_ps(delta[n]);
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 keep = __mmask16(bits >> (16 * h));
+        const __m512 e = exp2_16(_mm512_add_ps(s[n][h], mv), keep);
+        const __m512 p = _mm512_mul_ps(e, kv);
+        _mm512_storeu_ps(pt + int64_t(n) * ldt + 16 * h, p);
+        _mm512_storeu_ps(dst + int64_t(n) * ldt + 16 * h,
+                         _mm512_maskz_mul_ps(keep, p, _mm512_sub_ps(d[n][h], dv)));
+      }
+    }
+  }
+
   // (The fused exponentials computed from the accumulators in place, 3 free registers here;
   // AVX2's 16 registers do it out of line.)
   FLASHSDPA_TRAIT_GEMM_EXP(Avx512Ops)

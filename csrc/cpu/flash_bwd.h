@@ -51,9 +51,9 @@ struct FlashBackward {
       kt = c.take(bkp * p.D);               // K_blk^T panels (S = Q K^T)
       vt = c.take(bkp * p.Dv);              // V_blk^T panels (dP = dO V^T)
       kp = c.take(copy * bl.bk * dp_);      // K_blk panels (dQ += dS K)
-      s = c.take(int64_t(bl.bq) * bkp);     // P (sdp tiles: P^T's bf16 pairs)
-      pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout; sdp tiles: dS^T's pairs)
-      dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS (sdp tiles: dS in bf16)
+      s = c.take(int64_t(bl.bq) * bkp);     // P (bf16 sdp tiles: P^T's pairs)
+      pd = c.take(int64_t(bl.bq) * bkp);    // dropped-out P (dropout; bf16 sdp tiles: dS^T's)
+      dp = c.take(int64_t(bl.bq) * bkp);    // dP, then dS (bf16 sdp tiles: dS's bf16 rows)
       dk = c.take(int64_t(bl.bk) * dp_);    // dK accumulator
       dv = c.take(int64_t(bl.bk) * dvp);    // dV accumulator
       dq = c.take(int64_t(bl.bq) * dp_);    // dQ accumulator
@@ -201,9 +201,10 @@ struct FlashBackward {
   // tile_ds's own path): P = 2^(s - m) * inv_l and dS = P * (dP - delta) are made from each
   // S / dP GEMM tile while it is in L1 (gemm_rows_then, 0 off the band) instead of by passes
   // over the rows. With p.fused_sdp on a trait with bwd_sdp (and D == Dv), S and dP run in one
-  // pass whose tiles give P and dS in registers, rounded straight into the dV, dK and dQ GEMMs'
-  // bf16 operands (gemm_sdp_loop: P and dS as the two passes make them, up to P's exponent,
-  // without their fp32 stores and the three prep_a passes); the step's time is counted under s.
+  // pass whose tiles make P and dS in registers and store them as the dV, dK and dQ GEMMs'
+  // operands (gemm_sdp_loop; on the bf16 trait rounded into its bf16 formats, without the
+  // three prep_a passes, P's exponent there its bf16 one; on fp32 ones the two passes' P and
+  // dS bit for bit, without their tiles' store and reload); the step's time counts under s.
   // Returns whether it ran.
   static bool fused_rows(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                          int64_t i0, int nq, int nk, const VisTile& ct, Tile* tile,
@@ -228,10 +229,12 @@ struct FlashBackward {
       if constexpr (bwd_sdp<Ops>()) {
         if (p.fused_sdp && p.D == p.Dv) {
           count_path(p, &PathCounters::bwd_sdp_tiles, 1);
-          // P^T in s, dS^T in pd, dS in dp: the fp32 tiles they would hold are never made
+          // prep_a traits: P^T in s, dS^T in pd, dS in dp (the fp32 tiles are never made);
+          // fp32 ones: P in s, dS in dp, each GEMM's operand as it is
+          float* dst = caps<Ops>().prep_a ? L.pd : L.dp;
           gemm_sdp_loop<Ops>(nq, nk, int(p.D), L.q, L.ldq, dO, lddo, L.kt, L.vt, p.D * NR,
-                             ct.limit_n(), smul, m, inv_l, delta, L.s, L.pd, L.dp, L.lds);
-          tile->pt_a = L.s, tile->dst_a = L.pd, tile->ds_a = L.dp;
+                             ct.limit_n(), smul, m, inv_l, delta, L.s, dst, L.dp, L.lds);
+          tile->pt_a = L.s, tile->dst_a = dst, tile->ds_a = L.dp;
           clock.lap(&PathCounters::bwd_s_ns);
           return true;
         }

@@ -328,26 +328,31 @@ inline void sdp_rows(int r, Args... args) {
 }
 
 // The backward's S and dP GEMMs in one pass for a trait with Ops::micro_tile_sdp (bwd_sdp):
-// C-tiles of kSdpRows rows x NR columns in panel-outer order, each giving the bf16 operands of
-// the dV, dK and dQ GEMMs (pt, dst: pair rows ld floats apart; ds: rows ld floats apart) with
-// the columns row n does not see under `lim` 0; a tile no row of its group sees is stored as
-// zeros without a product. M (queries) and N (keys, a multiple of NR) as in gemm_rows_then;
-// q / dO: A rows, kt / vt: the K^T / V^T panels, bstride floats apart (K = D = Dv).
+// C-tiles of kSdpRows rows x NR columns in panel-outer order, each giving the A operands of the
+// dV, dK and dQ GEMMs in the trait's format (prep_a traits: P^T and dS^T at pt, dst as pair
+// rows, dS at ds as bf16 rows, ld floats apart; fp32 traits: P at pt, dS at dst, rows ld
+// floats apart, which the GEMMs read as they are, ds unused) with the columns row n does not
+// see under `lim` 0; a tile no row of its group sees is stored as zeros without a product. M
+// (queries) and N (keys, a multiple of NR) as in gemm_rows_then; q / dO: A rows, kt / vt: the
+// K^T / V^T panels, bstride floats apart (K = D = Dv).
 template <class Ops>
 inline void gemm_sdp_loop(int M, int N, int K, const float* q, int ldq, const float* dO,
                           int lddo, const float* kt, const float* vt, int64_t bstride,
                           const RowLimit* lim, float smul, const float* m, const float* inv_l,
                           const float* delta, float* pt, float* dst, float* ds, int ld) {
   constexpr int NR = Ops::NR, MR = Ops::kSdpRows;
+  constexpr bool pairs = caps<Ops>().prep_a;
   static_assert(MR % 2 == 0, "row groups of whole pairs");
   for_each_tile<NR, MR>(M, N, K, nullptr, [&](int p, int i, int R, int, int kk) {
     const TileBand<NR> band(lim, p, i, R);
     uint16_t* dsr = reinterpret_cast<uint16_t*>(ds + int64_t(i) * ld) + p * NR;
-    const int64_t off = int64_t(i / 2) * ld + p * NR;
-    if (band.none()) {  // zeros: NR words of each pair row of pt / dst, NR bf16 of each ds row
-      for (int n = 0; n < R; n += 2)
-        for (int x = 0; x < NR; ++x) pt[off + n / 2 * ld + x] = dst[off + n / 2 * ld + x] = 0.0f;
-      for (int n = 0; n < R; ++n)
+    const int64_t off = int64_t(pairs ? i / 2 : i) * ld + p * NR;
+    if (band.none()) {  // zeros: NR floats of each (pair) row of pt / dst, NR bf16 of each ds row
+      for (int n = 0; n < R; n += pairs ? 2 : 1) {
+        const int64_t row = off + (pairs ? n / 2 : n) * int64_t(ld);
+        for (int x = 0; x < NR; ++x) pt[row + x] = dst[row + x] = 0.0f;
+      }
+      for (int n = 0; pairs && n < R; ++n)
         for (int x = 0; x < NR; ++x) dsr[n * 2 * int64_t(ld) + x] = 0;
       return;
     }

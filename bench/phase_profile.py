@@ -171,6 +171,50 @@ def main_decode(args, tiers, threads):
     return 0
 
 
+def print_header(mode, threads, peak):
+    _, steps, gemms = MODES[mode]
+    print(f"{'backward ' if mode == 'train' else ''}phase profile | {threads} threads | "
+          f"torch {torch.__version__} | per-thread peak: "
+          + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
+             + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
+                peak["bf16_dot_gflops"] else "") if peak else "not measured"))
+    print(f"{'tier':<12}{'dtype':<6}{'shape':<16}{'causal':<7}{'ms':>8}  "
+          + "".join(f"{s:>9}" for s in steps + ("other",))
+          + "".join(f"{g + ' GF/s (% peak)':>{len(g) + 17}}" for g in gemms))
+
+
+def print_row(mode, r):
+    _, steps, gemms = MODES[mode]
+    ref = r["peak_per_thread_gflops"]
+    rate = lambda g: "-" if g is None else (  # noqa: E731
+        f"{g:.1f}" + (f" ({100 * g / ref:.0f}%)" if ref else ""))
+    mark = {"s": "*" if r.get("s_with_dp") else ""}
+    print(f"{r['tier']:<12}{r['dtype']:<6}{'x'.join(map(str, r['shape'])):<16}"
+          f"{'yes' if r['causal'] else 'no':<7}{r['wall_ms']:8.2f}  "
+          + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in steps + ("other",))
+          + "".join(f"{rate(r[g + '_gflops']) + mark.get(g, ''):>{len(g) + 17}}" for g in gemms),
+          flush=True)
+
+
+def print_footer(rows):
+    if any(r.get("s_with_dp") for r in rows):
+        print("* S and dP in one micro-tile (bwd_sdp): the rate of both GEMMs, their time under s")
+
+
+def render(path):
+    """Print a --json file's table again (the README's tables are pasted from this)."""
+    with open(path) as f:
+        d = json.load(f)
+    if "read_gbs" in d:
+        sys.exit(f"--render: {path} is a --decode profile; only prefill and backward ones render")
+    mode = d.get("mode", "fwd")  # files written before "mode" was recorded are prefill ones
+    print_header(mode, d["threads"], d["peak"])
+    for r in d["rows"]:
+        print_row(mode, r)
+    print_footer(d["rows"])
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiers", default=None, help="comma separated (default: every native tier)")
@@ -183,7 +227,11 @@ def main(argv=None):
     ap.add_argument("--decode", nargs="?", const="1x32x8x16384x128", default=None,
                     help="profile decode instead: BxHqxHkvxLxD, comma separated")
     ap.add_argument("--train", action="store_true", help="profile the backward instead")
+    ap.add_argument("--render", default=None, metavar="JSON",
+                    help="print the table of a --json file (prefill or backward) and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render)
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -203,15 +251,7 @@ def main(argv=None):
         dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
         peak["bf16_dot_gflops"] = max(dots) if dots else None
     mode = "train" if args.train else "fwd"
-    _, steps, gemms = MODES[mode]
-    print(f"{'backward ' if args.train else ''}phase profile | {threads} threads | "
-          f"torch {torch.__version__} | per-thread peak: "
-          + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
-             + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
-                peak["bf16_dot_gflops"] else "") if peak else "not measured"))
-    print(f"{'tier':<12}{'dtype':<6}{'shape':<16}{'causal':<7}{'ms':>8}  "
-          + "".join(f"{s:>9}" for s in steps + ("other",))
-          + "".join(f"{g + ' GF/s (% peak)':>{len(g) + 17}}" for g in gemms))
+    print_header(mode, threads, peak)
     rows = []
     for tier in tiers:
         for dt in dtypes:
@@ -225,19 +265,10 @@ def main(argv=None):
                         ref = peak["fma_peak_gflops"] / threads
                         if tier_dtypes(tier) == ["bfloat16"] and peak["bf16_dot_gflops"]:
                             ref = peak["bf16_dot_gflops"] / threads  # (AMX: its tiles are faster)
-                    rate = lambda g: "-" if g is None else (  # noqa: E731
-                        f"{g:.1f}" + (f" ({100 * g / ref:.0f}%)" if ref else ""))
-                    mark = {"s": "*" if r["s_with_dp"] else ""}
-                    print(f"{tier:<12}{dt:<6}{'x'.join(map(str, shape)):<16}"
-                          f"{'yes' if causal else 'no':<7}{r['wall_ms']:8.2f}  "
-                          + "".join(f"{100 * r[s + '_share']:8.0f}%" for s in steps + ("other",))
-                          + "".join(f"{rate(r[g + '_gflops']) + mark.get(g, ''):>{len(g) + 17}}"
-                                    for g in gemms),
-                          flush=True)
                     rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape), causal=causal,
                                      peak_per_thread_gflops=ref))
-    if any(r["s_with_dp"] for r in rows):
-        print("* S and dP in one micro-tile (bwd_sdp): the rate of both GEMMs, their time under s")
+                    print_row(mode, rows[-1])
+    print_footer(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"mode": mode, "threads": threads, "torch": torch.__version__,

@@ -481,6 +481,11 @@ def test_phase_profile_train_tiny_run(tmp_path):
         assert all(r[f"{g}_gflops"] > 0 for g in ("s", "dkdv", "dq")), r
         assert (r["dp_gflops"] is None) == r["s_with_dp"], r
     assert "backward phase profile" in res.stdout
+    # --render prints the file's table again: the run's own table, line for line
+    again = subprocess.run([sys.executable, os.path.join(BENCH, "phase_profile.py"), "--render",
+                            str(out)], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == res.stdout
 
 
 def test_phase_profile_decode_tiny_run(tmp_path):

@@ -293,10 +293,7 @@ struct Avx512Ops : Avx2Ops {
                                     uint16_t* ds16, int64_t ldr) {
     static_assert(R >= 1 && R <= kSdpRows, "1 to 6 rows");
     (void)smul, (void)ds16, (void)ldr;  // (scale folded into Q; no bf16 operand)
-    __m512 s[R][2], d[R][2];
-#pragma GCC unroll 6
-    for (int n = 0; n < R; ++n)
-      s[n][0] = s[n][1] = d[n][0] = d[n][1] = _mm512_setzero_ps();
+    __m512 s[R][2] = {}, d[R][2] = {};  // S and dP accumulators, zeroed
     for (int kk = 0; kk < K; ++kk) {
       const __m512 k0 = _mm512_loadu_ps(kt + kk * NR), k1 = _mm512_loadu_ps(kt + kk * NR + 16);
       const __m512 v0 = _mm512_loadu_ps(vt + kk * NR), v1 = _mm512_loadu_ps(vt + kk * NR + 16);

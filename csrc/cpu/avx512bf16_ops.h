@@ -299,10 +299,7 @@ struct Avx512Bf16Ops : Avx512Ops {
                                     const float* delta, float* pt, float* dst, int ldt,
                                     uint16_t* ds, int64_t ldr) {
     static_assert(R >= 1 && R <= kSdpRows, "1 to 6 rows");
-    __m512 s[R][2], d[R][2];
-#pragma GCC unroll 6
-    for (int n = 0; n < R; ++n)
-      s[n][0] = s[n][1] = d[n][0] = d[n][1] = _mm512_setzero_ps();
+    __m512 s[R][2] = {}, d[R][2] = {};  // S and dP accumulators, zeroed
     const uint32_t* A = reinterpret_cast<const uint32_t*>(q);
     const uint32_t* G = reinterpret_cast<const uint32_t*>(dO);
     const uint16_t* BK = bf16_words(kt);

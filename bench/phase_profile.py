@@ -171,10 +171,10 @@ def main_decode(args, tiers, threads):
     return 0
 
 
-def print_header(mode, threads, peak):
+def print_header(mode, threads, torch_version, peak):
     _, steps, gemms = MODES[mode]
     print(f"{'backward ' if mode == 'train' else ''}phase profile | {threads} threads | "
-          f"torch {torch.__version__} | per-thread peak: "
+          f"torch {torch_version} | per-thread peak: "
           + (f"FMA {peak['fma_peak_gflops'] / threads:.1f} GFLOP/s"
              + (f", bf16 dot {peak['bf16_dot_gflops'] / threads:.1f}" if peak and
                 peak["bf16_dot_gflops"] else "") if peak else "not measured"))
@@ -208,7 +208,7 @@ def render(path):
     if "read_gbs" in d:
         sys.exit(f"--render: {path} is a --decode profile; only prefill and backward ones render")
     mode = d.get("mode", "fwd")  # files written before "mode" was recorded are prefill ones
-    print_header(mode, d["threads"], d["peak"])
+    print_header(mode, d["threads"], d["torch"], d["peak"])  # (the run's, not this process's)
     for r in d["rows"]:
         print_row(mode, r)
     print_footer(d["rows"])
@@ -251,7 +251,7 @@ def main(argv=None):
         dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
         peak["bf16_dot_gflops"] = max(dots) if dots else None
     mode = "train" if args.train else "fwd"
-    print_header(mode, threads, peak)
+    print_header(mode, threads, torch.__version__, peak)
     rows = []
     for tier in tiers:
         for dt in dtypes:

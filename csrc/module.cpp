@@ -103,6 +103,10 @@ py::list tiers_list() {
       if (built->pv_whole) paths.append("pv_whole");
     }
     t["paths"] = paths;
+    // the trait's GEMMs take bf16 operands (Q, K, V and P in bf16, products summed in fp32):
+    // the tiers whose P V takes P in bf16, which is where the bf16 exponent's hook is set
+    const flashsdpa::CpuTier* bt = flashsdpa::cpu::built_tier(isa);
+    t["bf16_operands"] = bt != nullptr && bt->exp2_row_sum_bf16 != nullptr;
     py::list dts;
     for (const char* dt : {"float32", "bfloat16", "float16"})
       if (!info.bf16_only || std::string(dt) == "bfloat16") dts.append(dt);

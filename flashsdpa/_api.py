@@ -238,8 +238,14 @@ def _variant_features(variants):
 def _cpu_lines(d, query, key, attn_mask, dropout_p, is_causal, variants):
     dt = d["dtype"]  # what runs, after autocast
     tier = d["policy"]["tier"]
-    built = [t["name"] for t in _C.tiers() if t["built"] and t["cpu_ok"] and dt in t["dtypes"]]
-    width = "fp32 in" if dt == "float32" else f"{dt} widened to fp32"
+    tiers = [t for t in _C.tiers() if t["built"] and t["cpu_ok"] and dt in t["dtypes"]]
+    built = [t["name"] for t in tiers]
+    if dt == "float32":
+        width = "fp32 in"
+    elif any(t["name"] == tier and t["bf16_operands"] for t in tiers):
+        width = f"{dt} operands into fp32 dot products (P rounded to {dt} for P V)"
+    else:
+        width = f"{dt} widened to fp32"
     group = (query.shape[-3] // max(key.shape[-3], 1)) if query.dim() == 4 else 1
     lines = [f"  runs: flashsdpa CPU kernel, tier '{tier}' (best of {built} for {dt}; "
              f"cap FLASHSDPA_CPU_ISA={_C.isa_cap() or 'unset'})",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashsdpa
-from flashsdpa import _C, _testing
+from flashsdpa import _C, _isa, _testing
 from conftest import make_qkv, reference_sdpa
 
 # ---- fake CPUID / XCR0 words: feature detection and the tier choice on other CPUs --------------
@@ -65,8 +65,17 @@ def test_enable_from_threads():
 def test_explain_names_tier_and_path():
     q, k, v = make_qkv(1, 8, 2, 16, 16, 16, dtype=torch.bfloat16)
     text = flashsdpa.explain(q, k, v, is_causal=True, enable_gqa=True, dropout_p=0.1)
-    assert f"tier '{flashsdpa.cpu_isa(torch.bfloat16)}'" in text
-    assert "bfloat16 widened to fp32" in text
+    tier = flashsdpa.cpu_isa(torch.bfloat16)
+    assert f"tier '{tier}'" in text
+    # the dtype path the tier runs: bf16 dot products (avx512_bf16, amx) or widened operands
+    bf16_dot = tier in ("avx512_bf16", "amx")
+    assert ("bfloat16 operands into fp32 dot products" in text) == bf16_dot, text
+    assert ("bfloat16 widened to fp32" in text) == (not bf16_dot), text
+    with _isa.cap("portable"):
+        assert "bfloat16 widened to fp32" in flashsdpa.explain(q, k, v, enable_gqa=True)
+    assert {t["name"] for t in _C.tiers() if t["bf16_operands"]} <= {"avx512_bf16", "amx"}
+    assert all(t["bf16_operands"] for t in _C.tiers()
+               if t["built"] and t["name"] in ("avx512_bf16", "amx"))
     assert "group 4" in text and "causal" in text and "dropout" in text
 
 
@@ -107,7 +116,6 @@ def test_cpu_isa_is_a_runnable_built_tier():
 def test_bf16_tier_only_where_its_dot_product_is_fast():
     """bfloat16 runs on avx512_bf16 where vdpbf16ps outruns fp32 FMAs (AMD), on the avx512 tier
     on Intel cores (where it does not), unless FLASHSDPA_CPU_ISA names avx512_bf16."""
-    from flashsdpa import _isa
     f = _C.cpu_features()
     names = {t["name"]: t for t in _C.tiers()}
     if not (f["avx512_bf16"] and names["avx512_bf16"]["built"] and names["avx512_bf16"]["cpu_ok"]):

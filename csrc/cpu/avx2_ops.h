@@ -183,13 +183,14 @@ inline __m256 lanes_at_or_after(int j0, int limit) {
 // 1.5 * 2^23 + 127 leaves n + 127 in the low mantissa bits of t (n + 127 in [0, 254]), so
 // t << 23 is already the bit pattern of 2^n. Operand order keeps NaN flowing through min/max
 // (they return the second operand when one is NaN), so NaN in gives NaN out without a blend.
+template <int kDegree = 6>
 inline __m256 exp2_8(__m256 x) {
   const __m256 magic = _mm256_set1_ps(12582912.0f + 127.0f);
   __m256 xc = _mm256_min_ps(_mm256_set1_ps(kExp2Max), x);
   xc = _mm256_max_ps(_mm256_set1_ps(kExp2Min), xc);
   const __m256 t = _mm256_add_ps(xc, magic);
   const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));  // f = xc - n
-  const __m256 p = exp2_horner(f, [](float c) { return _mm256_set1_ps(c); },
+  const __m256 p = exp2_horner<kDegree>(f, [](float c) { return _mm256_set1_ps(c); },
                                [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); });
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
@@ -353,9 +354,10 @@ struct Avx2Ops : GenericOps {
 
   // C tile of R rows x 16 columns (=|+=) A * panel. The 12 accumulators are named variables:
   // GCC does not keep an array of __m256 in registers across an unrolled loop (it spills it).
-  // With kExp (gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two vectors are
-  // added to its sum at sumv + 16 row; with a `band`, 0 on the columns not set in band[row].
-  template <bool TransA, int R, bool kExp = false>
+  // With kExp (gemm_exp: exp2_horner's degree) the tile is stored as 2^(C - mref[row]) and each
+  // row's two vectors are added to its sum at sumv + 16 row; with a `band`, 0 on the columns not
+  // set in band[row].
+  template <bool TransA, int R, int kExp = 0>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
                                 float* sumv = nullptr, const uint32_t* band = nullptr) {
@@ -379,20 +381,21 @@ struct Avx2Ops : GenericOps {
     FLASHSDPA_STORE(0) FLASHSDPA_STORE(1) FLASHSDPA_STORE(2)
     FLASHSDPA_STORE(3) FLASHSDPA_STORE(4) FLASHSDPA_STORE(5)
 #undef FLASHSDPA_STORE
-    if constexpr (kExp) exp_tile(c, ldc, R, mref, sumv, band);
+    if constexpr (kExp != 0) exp_tile<kExp>(c, ldc, R, mref, sumv, band);
   }
 
   // The fused exponentials of a stored R x 16 tile (still in L1): out of line, so that the
   // polynomial's constants do not take registers from the accumulators of the FMA loop (16 ymm
   // registers: computing them from the accumulators in place spills them).
+  template <int kDegree>
   static __attribute__((noinline)) void exp_tile(float* c, int ldc, int R, const float* mref,
                                                  float* sumv, const uint32_t* band) {
     const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (int i = 0; i < R; ++i) {
       float* ci = c + int64_t(i) * ldc;
       const __m256 mr = _mm256_set1_ps(mref[i]);
-      __m256 p0 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci), mr));
-      __m256 p1 = exp2_8(_mm256_sub_ps(_mm256_loadu_ps(ci + 8), mr));
+      __m256 p0 = exp2_8<kDegree>(_mm256_sub_ps(_mm256_loadu_ps(ci), mr));
+      __m256 p1 = exp2_8<kDegree>(_mm256_sub_ps(_mm256_loadu_ps(ci + 8), mr));
       if (band) {  // lanes whose bit is clear: 0 (exp2_8 is finite or NaN there; the and drops it)
         const auto keep = [&](int bits) {
           const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits), lane_bit);

@@ -216,13 +216,14 @@ struct Avx512Ops : Avx2Ops {
   static constexpr int decode_key_group(int64_t) { return 4; }  // qk_key_groups<4>, every type
 
   // C tile of R rows x 32 columns (=|+=) A * panel, 24 named zmm accumulators. With kExp (the
-  // fused softmax of gemm_exp) the tile is stored as 2^(C - mref[row]) and each row's two
-  // vectors are added to its 16-lane sum at sumv + 16 row; with kExp and kColRef (gemm_exp_cols,
-  // transposed scores) as 2^(C - mref[column]), column sums added at sumv[0, 32); `band`
+  // fused softmax of gemm_exp; exp2_horner's degree) the tile is stored as 2^(C - mref[row])
+  // and each row's two vectors are added to its 16-lane sum at sumv + 16 row; with kExp and
+  // kColRef (gemm_exp_cols, transposed scores) as 2^(C - mref[column]), column sums added at
+  // sumv[0, 32); `band`
   // (a tile a band's edge crosses): row n's P is 0 on the columns not set in band[n] (bit x:
   // column x; TileBand::bits). kStridedB: the panel's rows are ldb floats apart (B read in
   // place) instead of NR.
-  template <bool TransA, int R, bool kExp = false, bool kColRef = false, bool kStridedB = false>
+  template <bool TransA, int R, int kExp = 0, bool kColRef = false, bool kStridedB = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
                                 float* sumv = nullptr, const uint32_t* band = nullptr,
@@ -240,15 +241,15 @@ struct Avx512Ops : Avx2Ops {
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-    if constexpr (kExp && kColRef) {
+    if constexpr (kExp != 0 && kColRef) {
       // transposed scores: one reference per column (query), column sums at sumv[0, 32)
       const __m512 m0 = _mm512_loadu_ps(mref), m1 = _mm512_loadu_ps(mref + 16);
       __m512 t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
 #define FLASHSDPA_EXP_ROW(i, n)                                                 \
   if (R > n) {                                                                \
     const uint32_t bits = band ? band[n] : ~0u;                               \
-    const __m512 p0 = exp2_16<false>(_mm512_sub_ps(c##i##0, m0), __mmask16(bits)); \
-    const __m512 p1 = exp2_16<false>(_mm512_sub_ps(c##i##1, m1), __mmask16(bits >> 16)); \
+    const __m512 p0 = exp2_16<false, kExp>(_mm512_sub_ps(c##i##0, m0), __mmask16(bits)); \
+    const __m512 p1 = exp2_16<false, kExp>(_mm512_sub_ps(c##i##1, m1), __mmask16(bits >> 16)); \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                               \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                          \
     t0 = _mm512_add_ps(t0, p0);                                               \
@@ -258,12 +259,12 @@ struct Avx512Ops : Avx2Ops {
 #undef FLASHSDPA_EXP_ROW
       _mm512_storeu_ps(sumv, _mm512_add_ps(_mm512_loadu_ps(sumv), t0));
       _mm512_storeu_ps(sumv + 16, _mm512_add_ps(_mm512_loadu_ps(sumv + 16), t1));
-    } else if constexpr (kExp) {
+    } else if constexpr (kExp != 0) {
 #define FLASHSDPA_EXP_ROW(i, n)                                                       \
   if (R > n) {                                                                      \
     const __m512 mr = _mm512_set1_ps(mref[n]);                                      \
     __m512 p0, p1;                                                                  \
-    exp2_row_pair(_mm512_sub_ps(c##i##0, mr), _mm512_sub_ps(c##i##1, mr),           \
+    exp2_row_pair<kExp>(_mm512_sub_ps(c##i##0, mr), _mm512_sub_ps(c##i##1, mr),     \
                   band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1);                 \
     _mm512_storeu_ps(c + int64_t(n) * ldc, p0);                                     \
     _mm512_storeu_ps(c + int64_t(n) * ldc + 16, p1);                                \

@@ -236,12 +236,13 @@ struct Avx512Bf16Ops : Avx512Ops {
   // accumulators in registers, stored as rows of this trait's A format (P V's operand: row n's
   // 32 words at the byte offset of c + n * ldc), each row's unrounded P added to its 16-lane sum
   // at sumv + 16 row; `band` as in Avx512Ops::micro_tile (0 on the columns not set in band[n]).
-  template <bool TransA, int R, bool kExp = false>
+  template <bool TransA, int R, int kExp = 0>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,
                                 float* sumv = nullptr, const uint32_t* band = nullptr,
                                 float mul = 1.0f) {
     static_assert(R >= 1 && R <= 12, "1 to 12 rows");
+    static_assert(kExp == 0 || kExp == kExp2DegreeBf16P, "P rounded to bf16: the degree-3 one");
     FLASHSDPA_ZMM_TILE_ACCUMULATORS
     const uint32_t* A = reinterpret_cast<const uint32_t*>(a);  // pairs
     const int64_t step_i = TransA ? 1 : lda, step_k = TransA ? lda : 1;  // in pairs
@@ -260,13 +261,13 @@ struct Avx512Bf16Ops : Avx512Ops {
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_ROW)
     }
 #undef FLASHSDPA_ROW
-    if constexpr (kExp) {
+    if constexpr (kExp != 0) {
       const __m512 kv = _mm512_set1_ps(mul);
 #define FLASHSDPA_EXP_ROW(i, n)                                                        \
   if (R > n) {                                                                       \
     const __m512 mr = _mm512_set1_ps(-mref[n]);                                      \
     __m512 p0, p1;                                                                   \
-    exp2_row_pair<kExp2DegreeBf16P>(_mm512_fmadd_ps(c##i##0, kv, mr),                \
+    exp2_row_pair<kExp>(_mm512_fmadd_ps(c##i##0, kv, mr),                             \
                                     _mm512_fmadd_ps(c##i##1, kv, mr),                \
                                     band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1); \
     _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); \

@@ -314,8 +314,12 @@ struct FlashForward {
             for (int r = 0; r < nq; ++r) m[r] = 0.0f;
           float* sv = L.sv;
           for (int64_t x = 0; x < int64_t(nq) * 16; ++x) sv[x] = 0.0f;
-          Ops::gemm_exp(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s, L.lds, m, sv,
-                        ct.limit_n(), s_mul, a16_row(0), 2 * int64_t(L.lds));
+          // P's polynomial: the degree-3 one where P is rounded to bf16 (prep_a) or the
+          // inputs are 16-bit (kExp2DegreeP)
+          constexpr int kDeg = caps<Ops>().prep_a ? kExp2DegreeBf16P : kExp2DegreeP<T>;
+          Ops::template gemm_exp<kDeg>(nq, nk, int(p.D), qbuf, L.ldq, kt, p.D * Ops::NR, s,
+                                       L.lds, m, sv, ct.limit_n(), s_mul, a16_row(0),
+                                       2 * int64_t(L.lds));
           clock.lap(&PathCounters::fwd_scores_ns);
           bool finite = true;
           for (int r = 0; r < nq; ++r) {

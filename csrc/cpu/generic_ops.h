@@ -171,9 +171,10 @@ struct RowLimit {
   bool on_n;
 };
 
-// Calls Ops::micro_tile<TransA, r> (kExp: its fused-exponential form, gemm_exp_loop, band or
-// not, with the trait's epilogue arguments `ex`) for a run-time row count r in [1, R].
-template <class Ops, bool TransA, int R, bool kExp = false, bool kColRef = false, class... Ex>
+// Calls Ops::micro_tile<TransA, r> (kExp, not 0: its fused-exponential form with exp2_horner's
+// polynomial of that degree, gemm_exp_loop, band or not, with the trait's epilogue arguments
+// `ex`) for a run-time row count r in [1, R].
+template <class Ops, bool TransA, int R, int kExp = 0, bool kColRef = false, class... Ex>
 inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* panel, float* c,
                             int ldc, bool accumulate, Ex... ex) {
   if constexpr (R > 1) {
@@ -182,9 +183,9 @@ inline void micro_tile_rows(int r, int K, const float* a, int lda, const float* 
                                                                accumulate, ex...);
   }
   if constexpr (kColRef)
-    Ops::template micro_tile<TransA, R, true, true>(K, a, lda, panel, c, ldc, false, ex...);
-  else if constexpr (kExp)
-    Ops::template micro_tile<TransA, R, true>(K, a, lda, panel, c, ldc, false, ex...);
+    Ops::template micro_tile<TransA, R, kExp, true>(K, a, lda, panel, c, ldc, false, ex...);
+  else if constexpr (kExp != 0)
+    Ops::template micro_tile<TransA, R, kExp>(K, a, lda, panel, c, ldc, false, ex...);
   else
     Ops::template micro_tile<TransA, R>(K, a, lda, panel, c, ldc, accumulate);
 }
@@ -269,15 +270,16 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 // The forward's S = Q K^T with the softmax's exponentials fused into the tile stores, for a
 // trait with fused_exp: N a multiple of NR, sumv zeroed by the caller. Saves the separate max
 // and exp passes over S. (flash_fwd.h: the reference mref is the running max of the earlier
-// blocks.) The micro-tile exponentiates its tile in registers (micro_tile<false, R, true>), so
-// the exp work overlaps the next tile's FMAs, each row's vectors added to sumv + 16 row: a
+// blocks.) The micro-tile exponentiates its tile in registers (micro_tile<false, R, kDegree>:
+// exp2_horner's polynomial of that degree, kExp2DegreeP of the input type), so the exp work
+// overlaps the next tile's FMAs, each row's vectors added to sumv + 16 row: a
 // trait with fp32 operands (scale folded into A) stores 2^(C - mref[row]) over C; one with bf16
 // operands (prep_a) stores 2^(C * mul - mref[row]) rounded to bf16 into p16, the A operand of
 // P V, rows ldp16 words apart (ldp16 even: its rows start at fp32 row offsets, as that
 // format's rows do). Under a RowLimit `lim` from VisTile::limit_n (a
 // band's edge crosses the block) tiles no row of a group sees are skipped as in gemm_loop, and
 // on a crossed tile the columns a row does not see are 0 (the fused micro-tile's band bits).
-template <class Ops>
+template <class Ops, int kDegree>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
                           const RowLimit* lim, float mul, uint16_t* p16, int64_t ldp16) {
@@ -291,10 +293,10 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     const uint32_t* bb = TileBand<NR>(lim, p, i, R).bits(bits);
     float* sv = sumv + 16 * int64_t(i);
     if constexpr (!caps<Ops>().prep_a)
-      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel, c + p * NR + int64_t(i) * ldc,
+      micro_tile_rows<Ops, false, MR, kDegree>(R, kk, ai, lda, panel, c + p * NR + int64_t(i) * ldc,
                                             ldc, false, mref + i, sv, bb);
     else
-      micro_tile_rows<Ops, false, MR, true>(R, kk, ai, lda, panel,
+      micro_tile_rows<Ops, false, MR, kDegree>(R, kk, ai, lda, panel,
                                             reinterpret_cast<float*>(p16 + i * ldp16 + p * NR),
                                             int(ldp16 / 2), false, mref + i, sv, bb, mul);
   });
@@ -383,7 +385,7 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
       if (tb.none()) return zero_tile<NR>(ci, ldc, R);
       band = tb.bits(bits);
     }
-    micro_tile_rows<Ops, false, MR, true, true>(R, kk, a + int64_t(i) * lda, lda,
+    micro_tile_rows<Ops, false, MR, 6, true>(R, kk, a + int64_t(i) * lda, lda,
                                                 bp + p * bstride, ci, ldc, false, mref + p * NR,
                                                 sumv + p * NR, band);
   });
@@ -392,7 +394,7 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
 // C[M][N] (= or +=) A B, A[i][kk] = a[i*lda + kk] or, TransA, a[kk*lda + i], with B's rows
 // read in place, ldb floats apart (B[kk][n] = b[kk*ldb + n], N a multiple of NR): the
 // transposed-score path's P V with V unpacked, the fp32 backward's dV / dK / dQ with dO, Q and
-// K unpacked (a trait's micro_tile<TransA, R, false, false, true>). Under a RowLimit (on the
+// K unpacked (a trait's micro_tile<TransA, R, 0, false, true>). Under a RowLimit (on the
 // inner steps) a group of rows reduces over its steps only, as gemm_loop does.
 template <class Ops, bool TransA>
 inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, const float* b,
@@ -402,7 +404,7 @@ inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, co
   for_each_tile<NR, MR>(M, N, K, lim, [&](int p, int i, int R, int kb, int ke) {
     const float* ai = TransA ? a + i + int64_t(kb) * lda : a + int64_t(i) * lda + kb;
     with_rows<MR>(R, [&](auto rows) {
-      Ops::template micro_tile<TransA, decltype(rows)::value, false, false, true>(
+      Ops::template micro_tile<TransA, decltype(rows)::value, 0, false, true>(
           ke - kb, ai, lda, b + p * NR + int64_t(kb) * ldb, c + p * NR + int64_t(i) * ldc, ldc,
           accumulate, nullptr, nullptr, nullptr, ldb);
     });
@@ -418,11 +420,12 @@ inline void gemm_strided_b_loop(int M, int N, int K, const float* a, int lda, co
     gemm_loop<Self, TransA>(M, N, K, a, lda, bp, bstride, c, ldc, accumulate, lim);          \
   }
 #define FLASHSDPA_TRAIT_GEMM_EXP(Self)                                                       \
+  template <int kDegree>                                                                     \
   static void gemm_exp(int M, int N, int K, const float* a, int lda, const float* bp,        \
                        int64_t bstride, float* c, int ldc, const float* mref, float* sumv,   \
                        const RowLimit* lim, float mul, uint16_t* p16, int64_t ldp16) {       \
-    gemm_exp_loop<Self>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv, lim, mul, p16,     \
-                        ldp16);                                                              \
+    gemm_exp_loop<Self, kDegree>(M, N, K, a, lda, bp, bstride, c, ldc, mref, sumv, lim, mul,  \
+                                 p16, ldp16);                                                \
   }
 
 // The K or V rows of keys [0, n) as the decode kernels read them (flash_decode.h), in one of

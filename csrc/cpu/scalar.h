@@ -128,11 +128,17 @@ constexpr float kExp2P3C0 = 0.9999282360076904f;
 constexpr float kExp2P3C1 = 0.693260908126831f;
 constexpr float kExp2P3C2 = 0.24260830879211426f;
 constexpr float kExp2P3C3 = 0.05517052486538887f;
+// The fused exponentials' degree for inputs of type T (Ops::gemm_exp<kDegree>): 16-bit inputs
+// (bf16, fp16), whose outputs keep 8 or 11 significant bits (fp16's rounding: up to 4.9e-4
+// relative, 6.5x the polynomial's 7.5e-5), take the degree-3 one; fp32 the full one.
+template <class T>
+constexpr int kExp2DegreeP = sizeof(T) == 2 ? kExp2DegreeBf16P : 6;
 
 // Written branch-free so that loops over it auto-vectorise.
 // The polynomial on f = x - rint(x) in [-0.5, 0.5] by Horner's rule, on floats or on any vector
 // type, given its splat and fused (or not) multiply-add: the scalar, vf4, ymm and zmm exp2.
-// kDegree: 6 (exp2_poly), or kExp2DegreeBf16P for weights rounded to bf16.
+// kDegree: 6 (exp2_poly), or kExp2DegreeBf16P for weights rounded to bf16 and the fused
+// exponentials of 16-bit inputs (kExp2DegreeP).
 template <int kDegree = 6, class R, class Splat, class Fma>
 inline R exp2_horner(R f, Splat splat, Fma fma) {
   static_assert(kDegree == 6 || kDegree == kExp2DegreeBf16P, "the two fitted polynomials");

@@ -4,8 +4,8 @@
 # every tier the CPU runs natively, then benchmarks each of those tiers against PyTorch's own
 # kernel in one process (forward, forward+backward, decode) and prints compact tables.
 # Then prints where each tier's forward, backward and decode time go (bench/phase_profile.py:
-# packing, the GEMMs against the peak, the softmax, scheduling), the first diagnosis on a new tier
-# (AMX).
+# packing, the GEMMs against the peak, the softmax, scheduling) and each tier's micro-kernels on
+# their own (bench/tile_probe.py), the first diagnosis on a new tier (AMX).
 # About 7-9 minutes on a few cores. Results: bench/results/hw_*.json / .csv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,8 @@ $PY bench/bench_sdpa.py --mode decode --providers "${TIERS},torch_flash" --dtype
 
 echo; echo "== where the forward's time goes, per tier (bench/phase_profile.py: step shares, GEMM % of peak)"
 $PY bench/phase_profile.py --calls 3 --json bench/results/hw_phases.json
+echo; echo "== the micro-kernels on their own, per tier (bench/tile_probe.py: GEMM and fused-exp S GEMM, % of peak)"
+$PY bench/tile_probe.py --json bench/results/hw_tiles.json
 echo; echo "== where the backward's time goes, per tier (bench/phase_profile.py --train: step shares, each GEMM's % of peak)"
 $PY bench/phase_profile.py --train --shapes 1x16x1024x64 --calls 3 --json bench/results/hw_bwd_phases.json
 echo; echo "== where decode's time goes, per tier (bench/phase_profile.py --decode: step shares, K+V GB/s)"

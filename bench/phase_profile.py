@@ -75,6 +75,28 @@ def tier_dtypes(tier):
     return {t["name"]: t["dtypes"] for t in _C.tiers()}[tier]
 
 
+def measure_peak(threads):
+    """bench/peak.py's peaks on `threads` threads, the better of two probes of each (a shared
+    machine's noise only ever slows a probe)."""
+    import peak as peak_mod
+    runs = [peak_mod.measure(threads, read_mib=64) for _ in range(2)]
+    peak = max(runs, key=lambda r: r["fma_peak_gflops"])
+    dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
+    peak["bf16_dot_gflops"] = max(dots) if dots else None
+    return peak
+
+
+def tier_peak(tier, peak, threads):
+    """The per-thread peak of the instructions a tier's GEMMs use (bench/peak.py's `peak` over
+    `threads` threads): the vdpbf16ps one for the bf16-only tiers where measured (AMX: its
+    tiles are faster), else FMA's. None without a peak."""
+    if not peak:
+        return None
+    if tier_dtypes(tier) == ["bfloat16"] and peak["bf16_dot_gflops"]:
+        return peak["bf16_dot_gflops"] / threads
+    return peak["fma_peak_gflops"] / threads
+
+
 def step_shares(run, tier, calls, threads, prefix, steps):
     """run's median call of `calls` (after a warm-up) with the step clocks on: (wall ns,
     {"<step>_share": its share of wall x threads, "other_share": the rest}, {step: ns})."""
@@ -243,13 +265,7 @@ def main(argv=None):
         return main_decode(args, tiers, threads)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     dtypes = args.dtypes.split(",")
-    peak = None
-    if not args.no_peak:
-        import peak as peak_mod  # the better of two probes (a shared machine's noise is one way)
-        runs = [peak_mod.measure(threads, read_mib=64) for _ in range(2)]
-        peak = max(runs, key=lambda r: r["fma_peak_gflops"])
-        dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
-        peak["bf16_dot_gflops"] = max(dots) if dots else None
+    peak = None if args.no_peak else measure_peak(threads)
     mode = "train" if args.train else "fwd"
     print_header(mode, threads, torch.__version__, peak)
     rows = []
@@ -260,13 +276,8 @@ def main(argv=None):
             for shape in shapes:
                 for causal in (False, True):
                     r = profile(tier, DTYPES[dt], shape, causal, args.calls, threads, mode)
-                    ref = None  # the peak of the instructions the tier's GEMMs use
-                    if peak:
-                        ref = peak["fma_peak_gflops"] / threads
-                        if tier_dtypes(tier) == ["bfloat16"] and peak["bf16_dot_gflops"]:
-                            ref = peak["bf16_dot_gflops"] / threads  # (AMX: its tiles are faster)
                     rows.append(dict(r, tier=tier, dtype=dt, shape=list(shape), causal=causal,
-                                     peak_per_thread_gflops=ref))
+                                     peak_per_thread_gflops=tier_peak(tier, peak, threads)))
                     print_row(mode, rows[-1])
     print_footer(rows)
     if args.json:

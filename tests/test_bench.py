@@ -453,6 +453,34 @@ def test_phase_profile_tiny_run(tmp_path):
     assert bad.returncode != 0 and "--tiers" in bad.stderr
 
 
+def test_tile_probe_tiny_run(tmp_path):
+    """bench/tile_probe.py: per native tier and K, the plain GEMM, and the fused-exponential S
+    GEMM at each degree the forward uses (fp32-operand tiers: 6 and 3; bf16-operand: 3; none
+    without fused exponentials), each timed, with what the exponentials add."""
+    out = tmp_path / "tiles.json"
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "tile_probe.py"), "--k", "32,64",
+                          "--m", "24", "--n", "64", "--reps", "2", "--calls", "1", "--no-peak",
+                          "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    from flashsdpa import _C
+    native = [t for t in _C.tiers() if t["built"] and t["cpu_ok"] and t["name"] != "portable"]
+    want = set()
+    for t in native:
+        degrees = [0]
+        if "fused_exp" in t["paths"]:
+            degrees += [3] if t["bf16_operands"] else [6, 3]
+        want |= {(t["name"], "gemm_exp" if d else "gemm", d, k) for d in degrees for k in (32, 64)}
+    assert {(r["tier"], r["kernel"], r["degree"], r["k"]) for r in rows} == want
+    assert len(rows) == len(want)
+    for r in rows:
+        assert r["ns"] > 0 and r["gflops"] > 0, r
+        assert (r["exp_adds"] is None) == (r["kernel"] == "gemm"), r
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "tile_probe.py"), "--tiers",
+                          "nonesuch", "--no-peak"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--tiers" in bad.stderr
+
+
 def test_phase_profile_train_tiny_run(tmp_path):
     """bench/phase_profile.py --train: the backward's steps (bwd_*_ns clocks) per native tier,
     dtype, shape and causal setting, shares summing to 1, every step timed, a rate per GEMM

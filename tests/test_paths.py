@@ -268,6 +268,24 @@ def test_backward_fused_rows(tier, case, dtype):
         assert_paths_close(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("scale", [0.0, -0.3], ids=["zero", "negative"])
+@pytest.mark.parametrize("dv", [16, 24], ids=["dv=d", "dv!=d"])
+def test_backward_fused_rows_scale_sign(tier, dtype, scale, dv):
+    """The fused backward rows with a scale of 0 or below 0 on a causal tile whose band leaves
+    columns unseen (5 queries, 64 keys: keys 5.. seen by none): P off the band is 0, not the
+    exponential of the -inf a band fill would give (-inf * 0 = NaN, -inf * -0.3 = +inf), with
+    S and dP in one micro-tile (D == Dv, bwd_sdp tiers) and in two passes (D != Dv); every
+    output and scratch buffer starting as NaN."""
+    q, k, v = make_qkv(1, 1, 1, 5, 64, 16, Dv=dv, dtype=dtype)
+    with _testing.poisoned(), _testing.counting() as n:
+        check_forward_backward(q, k, v, dtype, f"{tier} scale={scale} dv={dv}", is_causal=True,
+                               scale=scale)
+        c = n()
+    can = "fused_bwd_rows" in ran_paths() and _testing.last_policy()["fused_rows"]
+    assert (c["bwd_fused_tiles"] > 0) == can, c
+
+
 # name -> (Hq, Hkv, Lq, Lk, D, Dv, flash_attn_func / SDPA keywords) for the sdp tiles: ragged
 # row groups (an odd last group pairs its row with zeros), GQA, bands, and a Dv != D call
 # that keeps the two GEMMs

@@ -181,12 +181,14 @@ struct RowOps {
 
   // The backward's P on a tile's row: s[j] = exp2(s[j] * smul - m) * mul for j in [lo, hi), 0
   // for the other columns of the vectors covering n. (tile_ds's fused rows, flash_bwd.h; smul:
-  // the scores' scale where the trait does not fold it into A, else 1, exact.)
+  // the scores' scale where the trait does not fold it into A, else 1, exact.) The columns off
+  // the band hold whatever the tile left there: they are set to 0 after the exponential, not
+  // fed to it as -inf, which a scale of 0 turns into NaN (-inf * 0) and a negative one into +inf.
   static void exp2_band_scaled(float* s, int n, float smul, float m, float mul, int lo, int hi) {
     const reg sv = V::splat(smul), mv = V::splat(-m), kv = V::splat(mul);
     for (int j = 0; j < n; j += W) {
-      const reg x = in_band(V::load(s + j), j, lo, hi, kNegInf);
-      V::store(s + j, V::mul(V::exp2(V::fma(x, sv, mv)), kv));
+      const reg e = V::mul(V::exp2(V::fma(V::load(s + j), sv, mv)), kv);
+      V::store(s + j, in_band(e, j, lo, hi, 0.0f));
     }
   }
 

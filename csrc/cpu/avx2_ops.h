@@ -190,8 +190,9 @@ inline __m256 exp2_8(__m256 x) {
   xc = _mm256_max_ps(_mm256_set1_ps(kExp2Min), xc);
   const __m256 t = _mm256_add_ps(xc, magic);
   const __m256 f = _mm256_sub_ps(xc, _mm256_sub_ps(t, magic));  // f = xc - n
-  const __m256 p = exp2_horner<kDegree>(f, [](float c) { return _mm256_set1_ps(c); },
-                               [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); });
+  const __m256 p = exp2_horner<kDegree>(
+      f, [](float c) { return _mm256_set1_ps(c); },
+      [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); });
   return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(t), 23)));
 }
 

@@ -219,10 +219,9 @@ struct Avx512Ops : Avx2Ops {
   // fused softmax of gemm_exp; exp2_horner's degree) the tile is stored as 2^(C - mref[row])
   // and each row's two vectors are added to its 16-lane sum at sumv + 16 row; with kExp and
   // kColRef (gemm_exp_cols, transposed scores) as 2^(C - mref[column]), column sums added at
-  // sumv[0, 32); `band`
-  // (a tile a band's edge crosses): row n's P is 0 on the columns not set in band[n] (bit x:
-  // column x; TileBand::bits). kStridedB: the panel's rows are ldb floats apart (B read in
-  // place) instead of NR.
+  // sumv[0, 32); `band` (a tile a band's edge crosses): row n's P is 0 on the columns not set
+  // in band[n] (bit x: column x; TileBand::bits). kStridedB: the panel's rows are ldb floats
+  // apart (B read in place) instead of NR.
   template <bool TransA, int R, int kExp = 0, bool kColRef = false, bool kStridedB = false>
   static inline void micro_tile(int K, const float* a, int lda, const float* panel, float* c,
                                 int ldc, bool accumulate, const float* mref = nullptr,

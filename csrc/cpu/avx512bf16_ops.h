@@ -267,9 +267,8 @@ struct Avx512Bf16Ops : Avx512Ops {
   if (R > n) {                                                                       \
     const __m512 mr = _mm512_set1_ps(-mref[n]);                                      \
     __m512 p0, p1;                                                                   \
-    exp2_row_pair<kExp>(_mm512_fmadd_ps(c##i##0, kv, mr),                             \
-                                    _mm512_fmadd_ps(c##i##1, kv, mr),                \
-                                    band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1); \
+    exp2_row_pair<kExp>(_mm512_fmadd_ps(c##i##0, kv, mr), _mm512_fmadd_ps(c##i##1, kv, mr), \
+                        band ? band[n] : ~0u, sumv + 16 * (n), &p0, &p1);                    \
     _mm512_storeu_si512(c + int64_t(n) * ldc, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)); \
   }
       FLASHSDPA_ZMM_TILE_EACH_ROW(FLASHSDPA_EXP_ROW)

@@ -272,13 +272,13 @@ inline void gemm_loop(int M, int N, int K, const float* a, int lda, const float*
 // and exp passes over S. (flash_fwd.h: the reference mref is the running max of the earlier
 // blocks.) The micro-tile exponentiates its tile in registers (micro_tile<false, R, kDegree>:
 // exp2_horner's polynomial of that degree, kExp2DegreeP of the input type), so the exp work
-// overlaps the next tile's FMAs, each row's vectors added to sumv + 16 row: a
-// trait with fp32 operands (scale folded into A) stores 2^(C - mref[row]) over C; one with bf16
-// operands (prep_a) stores 2^(C * mul - mref[row]) rounded to bf16 into p16, the A operand of
-// P V, rows ldp16 words apart (ldp16 even: its rows start at fp32 row offsets, as that
-// format's rows do). Under a RowLimit `lim` from VisTile::limit_n (a
-// band's edge crosses the block) tiles no row of a group sees are skipped as in gemm_loop, and
-// on a crossed tile the columns a row does not see are 0 (the fused micro-tile's band bits).
+// overlaps the next tile's FMAs, each row's vectors added to sumv + 16 row: a trait with fp32
+// operands (scale folded into A) stores 2^(C - mref[row]) over C; one with bf16 operands
+// (prep_a) stores 2^(C * mul - mref[row]) rounded to bf16 into p16, the A operand of P V, rows
+// ldp16 words apart (ldp16 even: its rows start at fp32 row offsets, as that format's rows
+// do). Under a RowLimit `lim` from VisTile::limit_n (a band's edge crosses the block) tiles no
+// row of a group sees are skipped as in gemm_loop, and on a crossed tile the columns a row
+// does not see are 0 (the fused micro-tile's band bits).
 template <class Ops, int kDegree>
 inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const float* bp,
                           int64_t bstride, float* c, int ldc, const float* mref, float* sumv,
@@ -293,12 +293,13 @@ inline void gemm_exp_loop(int M, int N, int K, const float* a, int lda, const fl
     const uint32_t* bb = TileBand<NR>(lim, p, i, R).bits(bits);
     float* sv = sumv + 16 * int64_t(i);
     if constexpr (!caps<Ops>().prep_a)
-      micro_tile_rows<Ops, false, MR, kDegree>(R, kk, ai, lda, panel, c + p * NR + int64_t(i) * ldc,
-                                            ldc, false, mref + i, sv, bb);
+      micro_tile_rows<Ops, false, MR, kDegree>(R, kk, ai, lda, panel,
+                                               c + p * NR + int64_t(i) * ldc, ldc, false,
+                                               mref + i, sv, bb);
     else
       micro_tile_rows<Ops, false, MR, kDegree>(R, kk, ai, lda, panel,
-                                            reinterpret_cast<float*>(p16 + i * ldp16 + p * NR),
-                                            int(ldp16 / 2), false, mref + i, sv, bb, mul);
+                                               reinterpret_cast<float*>(p16 + i * ldp16 + p * NR),
+                                               int(ldp16 / 2), false, mref + i, sv, bb, mul);
   });
 }
 
@@ -386,8 +387,8 @@ inline void gemm_exp_cols_loop(int M, int N, int K, const float* a, int lda, con
       band = tb.bits(bits);
     }
     micro_tile_rows<Ops, false, MR, 6, true>(R, kk, a + int64_t(i) * lda, lda,
-                                                bp + p * bstride, ci, ldc, false, mref + p * NR,
-                                                sumv + p * NR, band);
+                                             bp + p * bstride, ci, ldc, false, mref + p * NR,
+                                             sumv + p * NR, band);
   });
 }
 

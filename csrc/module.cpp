@@ -244,7 +244,7 @@ py::dict decision_dict(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<a
   out["declined"] = d.declined;
   out["kernel"] = "";
   if (d.backend == Backend::CpuKernel) {
-    const flashsdpa::Shaped s = flashsdpa::to_4d(q, k, v, mask);
+    const flashsdpa::Shaped s = flashsdpa::to_4d(q, k, v, mask, /*kv_batch1=*/true);
     const auto plan = flashsdpa::forward_plan(s.q, s.k, s.v, s.mask, dropout_p, is_causal, scale,
                                               FLASHSDPA_VARIANT_ARGS);
     out["kernel"] = plan.second;

@@ -66,9 +66,11 @@ void check_op_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                   (!mask.has_value() || !mask->defined() || mask->device().is_cpu()),
               "flashsdpa: the CPU kernel needs its tensors on the CPU, got ", q.device(), ", ",
               k.device(), ", ", v.device());
+  const bool kv_batch1 = k.size(0) == 1 && v.size(0) == 1;  // (read by every batch)
   for (int i = 1; i < 3; ++i)
-    TORCH_CHECK(ts[i]->size(0) == q.size(0), "flashsdpa: ", names[i], " batch size (",
-                ts[i]->size(0), ") must match query batch size (", q.size(0), ")");
+    TORCH_CHECK(ts[i]->size(0) == q.size(0) || kv_batch1, "flashsdpa: ", names[i],
+                " batch size (", ts[i]->size(0), ") must match query batch size (", q.size(0),
+                "), or key and value must both have batch size 1");
   TORCH_CHECK(dropout_p < 1.0, "flashsdpa: dropout_p must be in [0, 1), got ", dropout_p);
   TORCH_CHECK(q.size(3) > 0 && q.size(3) <= kMaxHeadDim && v.size(3) > 0 &&
                   v.size(3) <= kMaxHeadDim,
@@ -188,6 +190,15 @@ void fill_common(AttnParams& p, const at::Tensor& q, const at::Tensor& k, const 
   p.dropout_p = float(dropout_p);
 }
 
+// The SDPA ops' key and value of batch 1 against a larger query batch (check_op_inputs: both
+// or neither; routing's to_4d leaves them so): read by every batch at batch stride 0, their
+// gradients summed over the batch (AttnParams::kv_batch1). Not fill_common's: a paged cache's
+// first dim counts blocks.
+void set_kv_batch1(AttnParams& p, const at::Tensor& k) {
+  p.kv_batch1 = p.B > 1 && k.size(0) == 1;
+  if (p.kv_batch1) p.k_sb = p.v_sb = 0;
+}
+
 // Seed and offset for one dropout call, drawn from PyTorch's default CPU generator, so that
 // torch.manual_seed makes runs reproducible.
 void draw_dropout_seed(AttnParams& p) {
@@ -246,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_fwd_cpu(
 
   AttnParams p;
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
+  set_kv_batch1(p, k);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(p, window_left, window_right, bottom_right, softcap, vt, lse_neg_inf);
   if (dropout_p > 0.0) {
@@ -276,6 +288,7 @@ std::pair<KernelPolicy, std::string> forward_plan(const at::Tensor& q, const at:
   AttnParams p;
   fill_common(p, last_dim_unit_stride(q), last_dim_unit_stride(k), last_dim_unit_stride(v),
               mask4, dropout_p, is_causal, scale);
+  set_kv_batch1(p, k);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
   const KernelPolicy pol = plan_forward(p, /*record=*/false, needs_backward(q, k, v, sinks));
@@ -333,6 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_bwd_cpu(
 
   AttnParams p;
   fill_common(p, q, k, v, mask4, dropout_p, is_causal, scale);
+  set_kv_batch1(p, k);
   const VariantTensors vt(alibi_slopes, sinks);
   fill_variants(p, window_left, window_right, bottom_right, softcap, vt, false);
   const at::Tensor dsinks = fill_backward(p, vt, Hq, q, dropout_p, rng_state);

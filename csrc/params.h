@@ -24,6 +24,9 @@ struct AttnParams {
   DType dtype;
   // sizes
   int64_t B;    // batch
+  // key / value of batch 1 read by every batch (batch stride 0; ops.cpp): the backward sums
+  // their gradients over the batch in its fp32 accumulators, the forward packs them once
+  bool kv_batch1;
   int64_t Hq;   // query heads
   int64_t Hkv;  // key/value heads (Hq % Hkv == 0; group = Hq / Hkv)
   int64_t Lq;   // query length

@@ -139,7 +139,10 @@ KernelPolicy plan_backward(const AttnParams& p) {
   // those items leave threads idle (the two sweeps do 7/5 of its gemm work). Both give the same
   // bits (the same tiles accumulated in the same order), so this thread-count choice never
   // changes a gradient.
-  pol.fused_bwd = choose(o.fused_bwd, thread_busy(p.B * p.Hkv) >= 5.0 / 7.0 * 1.1);
+  // Batch-1 key / value (kv_batch1): the dK / dV items of the two sweeps sum over the batch; the
+  // single pass's (batch, kv head) items would each write the same rows.
+  pol.fused_bwd = !p.kv_batch1 &&
+                  choose(o.fused_bwd, thread_busy(p.B * p.Hkv) >= 5.0 / 7.0 * 1.1);
   t_last = pol;
   return pol;
 }

@@ -215,7 +215,7 @@ std::tuple<at::Tensor, at::Tensor> run_cpu_kernel_4d(const Call& c, const Shaped
 }
 
 at::Tensor run_cpu_kernel(const Call& c) {
-  const Shaped s = to_4d(c.q, c.k, c.v, c.mask);
+  const Shaped s = to_4d(c.q, c.k, c.v, c.mask, /*kv_batch1=*/true);
   at::Tensor out = std::get<0>(run_cpu_kernel_4d(c, s, false));
   return s.squeeze ? out.squeeze(1) : out;
 }
@@ -554,7 +554,7 @@ std::string pytorch_kernel(const Call& c) {
 }
 
 Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const c10::optional<at::Tensor>& mask) {
+             const c10::optional<at::Tensor>& mask, bool kv_batch1) {
   Shaped s{q, k, v, mask, false};
   if (q.dim() == 3) {
     s.q = q.unsqueeze(1), s.k = k.unsqueeze(1), s.v = v.unsqueeze(1), s.squeeze = true;
@@ -564,6 +564,7 @@ Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const c10::SymInt B = batch_of(q, k, v);
   const c10::SymInt keep = -1;
   if (holds(ne(q.sym_size(0), B))) s.q = q.expand_symint({B, keep, keep, keep});
+  if (kv_batch1 && holds(eq(k.sym_size(0), 1)) && holds(eq(v.sym_size(0), 1))) return s;
   if (holds(ne(k.sym_size(0), B))) s.k = k.expand_symint({B, keep, keep, keep});
   if (holds(ne(v.sym_size(0), B))) s.v = v.expand_symint({B, keep, keep, keep});
   return s;

@@ -87,8 +87,12 @@ struct Shaped {
   c10::optional<at::Tensor> mask;
   bool squeeze;  // the inputs were 3-D: squeeze dim 1 of the output
 };
+// kv_batch1: key and value of batch 1 against a larger batch stay batch 1 (the CPU kernel
+// reads them at batch stride 0 and sums their gradients over the batch in fp32, where an
+// expanded view's per-batch gradients would each be rounded to the dtype before autograd sums
+// them); otherwise every input is expanded to the call's batch.
 Shaped to_4d(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-             const c10::optional<at::Tensor>& mask);
+             const c10::optional<at::Tensor>& mask, bool kv_batch1 = false);
 
 // PyTorch's own choice for a valid call: its aten op name ("aten::_scaled_dot_product_..."),
 // the profiler event it records.

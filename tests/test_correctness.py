@@ -136,13 +136,38 @@ def test_3d_inputs(tier, dtype):
     check_forward_backward(q, k, v, dtype, f"{tier} 3-D", attn_mask=mask)
 
 
-def test_batch_broadcast_kv(tier):
-    """key/value with batch 1 broadcast against a query batch (read through stride 0)."""
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("case", ["short", "causal-gqa-packed", "cancelling"])
+def test_batch_broadcast_kv(tier, dtype, case):
+    """key/value with batch 1 broadcast against a query batch: the kernel reads them at batch
+    stride 0 (packed once where the forward packs) and sums their gradients over the batch in
+    fp32 (one rounding, where per-batch gradients rounded to a 16-bit dtype and then summed
+    can cancel past the rule: the fuzzer's case 12015548), in the two-sweep backward even when
+    the single pass is forced; the gradients have key's and value's own shapes."""
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(3, 2, 20, 16, generator=g)
-    k = torch.randn(1, 2, 30, 16, generator=g)
-    v = torch.randn(1, 2, 30, 16, generator=g)
-    check_forward_backward(q, k, v, torch.float32, f"{tier} kv batch broadcast")
+    if case == "cancelling":  # the fuzzer's cases: one key, dV the sum of the rows' dO
+        import fuzz_sdpa
+        seed = {torch.float32: 12015548, torch.bfloat16: 12015548, torch.float16: 14014012}
+        c = fuzz_sdpa.draw(seed[dtype])
+        assert c["k"].shape[0] == 1 < c["q"].shape[0] and c["grad"], fuzz_sdpa.describe(c)
+        q, k, v, kw = c["q"], c["k"], c["v"], dict(attn_mask=c["attn_mask"], scale=c["scale"])
+        assert fuzz_sdpa.check(c) == "", fuzz_sdpa.describe(c)  # (its own dtype)
+    elif case == "short":
+        q = torch.randn(3, 2, 20, 16, generator=g)
+        k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+        kw = {}
+    else:  # several q blocks over two kv blocks: the forward packs K / V panels once
+        q = torch.randn(2, 4, 600, 32, generator=g)
+        k, v = torch.randn(1, 2, 600, 32, generator=g), torch.randn(1, 2, 600, 24, generator=g)
+        kw = dict(is_causal=True, enable_gqa=True)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    with _testing.policy(fused_bwd=1):
+        check_forward_backward(q, k, v, dtype, f"{tier} kv batch broadcast {case}", **kw)
+        assert not _testing.last_policy()["fused_bwd"]
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = flashsdpa.scaled_dot_product_attention(*leaves, **kw)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert [tuple(x.shape) for x in grads] == [tuple(t.shape) for t in (q, k, v)]
 
 
 @pytest.mark.parametrize("L,S", [(0, 5), (5, 0), (0, 0)])

@@ -85,7 +85,7 @@ struct FlashForward {
 
   // ---- Phase::PackKV: K^T and V panels of every (b, hkv, kv-block), packed once ---------------
   static int64_t pack_items(const AttnParams& p, const Blocks& bl) {
-    return p.B * p.Hkv * ceil_div(p.Lk, bl.bk);
+    return (p.kv_batch1 ? 1 : p.B) * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
   static int64_t pack_block_floats(const AttnParams& p, const Blocks& bl) {
     return round_up(bl.bk, Ops::NR) * p.D + int64_t(bl.bk) * round_up(p.Dv, Ops::NR);
@@ -284,7 +284,8 @@ struct FlashForward {
       int64_t v_stride = int64_t(nk) * Ops::NR;
       const bool prepacked = p.kv_pack != nullptr;
       if (prepacked) {
-        kt = p.kv_pack + ((b * p.Hkv + hk) * ceil_div(p.Lk, bl.bk) + j0 / bl.bk) *
+        const int64_t kb = p.kv_batch1 ? 0 : b;  // (batch-1 key / value: packed once)
+        kt = p.kv_pack + ((kb * p.Hkv + hk) * ceil_div(p.Lk, bl.bk) + j0 / bl.bk) *
                              pack_block_floats(p, bl);
         vp = kt + round_up(bl.bk, Ops::NR) * p.D;
         v_stride = min64(bl.bk, p.Lk - j0) * Ops::NR;

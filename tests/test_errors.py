@@ -64,7 +64,7 @@ def test_direct_api_errors(case):
 
 # The ops take the direct API's validation (ValueError naming the argument) plus their own
 # preconditions on what routing hands them (RuntimeError): 4-D, a kernel dtype, key / value batch
-# already broadcast, dropout below 1.
+# already broadcast (or 1 for both: the kernel reads them at batch stride 0), dropout below 1.
 OP_CASES = [
     ("query 3-D", (r(2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)), {}, RuntimeError, "query must be 4-D"),
     ("key 3-D", (r(1, 2, 4, 8), r(2, 5, 8), r(1, 2, 5, 8)), {}, RuntimeError, "key must be 4-D"),
@@ -72,7 +72,7 @@ OP_CASES = [
      "query.dtype must be float32"),
     ("mixed", (r(1, 2, 4, 8), r(1, 2, 5, 8, dtype=torch.bfloat16), r(1, 2, 5, 8)), {},
      ValueError, "key.dtype"),
-    ("batch", (r(2, 2, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)), {}, RuntimeError, "key batch size"),
+    ("batch", (r(2, 2, 4, 8), r(1, 2, 5, 8), r(2, 2, 5, 8)), {}, RuntimeError, "key batch size"),
     ("heads", (r(1, 3, 4, 8), r(1, 2, 5, 8), r(1, 2, 5, 8)), {}, ValueError,
      "multiple of key/value heads"),
     ("v heads", (r(1, 4, 4, 8), r(1, 2, 5, 8), r(1, 4, 5, 8)), {}, ValueError, "value heads"),

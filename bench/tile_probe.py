@@ -18,6 +18,7 @@ here.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -35,7 +36,7 @@ FLAGS = ["-O3", "-falign-loops=64", "-std=c++17", "-Wall", "-Wno-unused-function
 
 def _compiler():
     for cxx in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if cxx and subprocess.run(["sh", "-c", f"command -v {cxx}"], capture_output=True).returncode == 0:
+        if cxx and shutil.which(cxx):
             return cxx
     raise RuntimeError("bench/tile_probe.py needs a C++ compiler (c++, g++ or clang++) on PATH")
 

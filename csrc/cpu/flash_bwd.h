@@ -358,7 +358,7 @@ struct FlashBackward {
   // ---- two-sweep strategy, phase BwdDkDv: item (b, hkv, kv-block) ------------------------------
   // (batch-1 key / value, p.kv_batch1: item (hkv, kv-block), its sums over every batch)
   static int64_t dkdv_items(const AttnParams& p, const Blocks& bl) {
-    return (p.kv_batch1 ? 1 : p.B) * p.Hkv * ceil_div(p.Lk, bl.bk);
+    return kv_batches(p) * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
   static void run_dkdv(const AttnParams& p, const Blocks& bl, int64_t item, float* scratch) {
     StepClock clock(p);
@@ -374,17 +374,17 @@ struct FlashBackward {
 
     load_kv_side(p, L, b, hk, j0, nk, /*with_k=*/false);
     clock.lap(&PathCounters::bwd_pack_ns);
-    const int64_t bq_end = p.kv_batch1 ? p.B : b + 1;  // the query batches reading these keys
-    for (int64_t bq = p.kv_batch1 ? 0 : b; bq < bq_end; ++bq) {
+    const int64_t qbatch_end = p.kv_batch1 ? p.B : b + 1;  // the query batches reading these keys
+    for (int64_t qbatch = p.kv_batch1 ? 0 : b; qbatch < qbatch_end; ++qbatch) {
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         for (int64_t i0 = first_q_block_row(p, bl, j0); i0 < q_rows_end(p, j0, nk);
              i0 += bl.bq) {
           const int nq = int(min64(bl.bq, p.Lq - i0));
-          load_q_side(p, L, bq, h, i0, nq, /*panels=*/true);
+          load_q_side(p, L, qbatch, h, i0, nq, /*panels=*/true);
           clock.lap(&PathCounters::bwd_pack_ns);
           Tile tile;
-          if (tile_ds(p, L, bq, h, i0, nq, j0, nk, &tile, clock))
-            add_dkdv(p, L, bq, h, i0, nq, j0, nk, tile, dk, dv, clock);
+          if (tile_ds(p, L, qbatch, h, i0, nq, j0, nk, &tile, clock))
+            add_dkdv(p, L, qbatch, h, i0, nq, j0, nk, tile, dk, dv, clock);
         }
       }
     }

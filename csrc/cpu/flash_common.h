@@ -40,6 +40,9 @@ struct QItem {
     nq = int(min64(bl.bq, p.Lq - i0));
   }
 };
+// The batches key / value hold: 1 where every query batch reads the same ones
+// (AttnParams::kv_batch1), whose per-(batch, kv head) items (packing, dK / dV) then run once.
+inline int64_t kv_batches(const AttnParams& p) { return p.kv_batch1 ? 1 : p.B; }
 struct KvItem {
   int64_t b, hk, j0;
   int nk;

@@ -85,7 +85,7 @@ struct FlashForward {
 
   // ---- Phase::PackKV: K^T and V panels of every (b, hkv, kv-block), packed once ---------------
   static int64_t pack_items(const AttnParams& p, const Blocks& bl) {
-    return (p.kv_batch1 ? 1 : p.B) * p.Hkv * ceil_div(p.Lk, bl.bk);
+    return kv_batches(p) * p.Hkv * ceil_div(p.Lk, bl.bk);
   }
   static int64_t pack_block_floats(const AttnParams& p, const Blocks& bl) {
     return round_up(bl.bk, Ops::NR) * p.D + int64_t(bl.bk) * round_up(p.Dv, Ops::NR);

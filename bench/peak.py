@@ -30,11 +30,14 @@ VARIANTS = {
 BF16_VARIANT = ("avx512_bf16", ["-mavx512f", "-mavx512bf16"], ["avx512_bf16", "os_avx512"])
 
 
-def _compiler():
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+def compiler(lang="C"):
+    """The compiler the bench probes build with: $CC / $CXX, else the first on PATH."""
+    env, names = {"C": ("CC", ("cc", "gcc", "clang")),
+                  "C++": ("CXX", ("c++", "g++", "clang++"))}[lang]
+    for cc in (os.environ.get(env), *names):
         if cc and shutil.which(cc):
             return cc
-    raise RuntimeError("bench/peak.py needs a C compiler (cc, gcc or clang) on PATH")
+    raise RuntimeError(f"the bench probes need a {lang} compiler ({', '.join(names)}) on PATH")
 
 
 def _binary(variant):
@@ -42,7 +45,7 @@ def _binary(variant):
     exe = os.path.join(BUILD_DIR, f"peak_probe_{variant}")
     if not os.path.exists(exe) or os.path.getmtime(exe) < os.path.getmtime(SOURCE):
         flags = BF16_VARIANT[1] if variant == BF16_VARIANT[0] else VARIANTS[variant][0]
-        subprocess.run([_compiler(), "-O2", "-fopenmp", *flags, SOURCE, "-o", exe],
+        subprocess.run([compiler(), "-O2", "-fopenmp", *flags, SOURCE, "-o", exe],
                        check=True, capture_output=True, text=True)
     return exe
 

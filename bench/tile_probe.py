@@ -18,7 +18,6 @@ here.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -29,16 +28,10 @@ SOURCE = os.path.join(HERE, "tile_probe.cpp")
 BUILD_DIR = os.path.join(HERE, ".build")
 sys.path.insert(0, CPU_DIR)
 import tiers_def  # noqa: E402  (the tier table's reader)
+import peak  # noqa: E402  (the compiler the bench probes build with)
 
 # the flags setup.py compiles the tiers with, but for what only the extension needs
 FLAGS = ["-O3", "-falign-loops=64", "-std=c++17", "-Wall", "-Wno-unused-function"]
-
-
-def _compiler():
-    for cxx in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if cxx and shutil.which(cxx):
-            return cxx
-    raise RuntimeError("bench/tile_probe.py needs a C++ compiler (c++, g++ or clang++) on PATH")
 
 
 def binary(row):
@@ -48,7 +41,7 @@ def binary(row):
     deps = [SOURCE] + [os.path.join(CPU_DIR, f) for f in os.listdir(CPU_DIR) if f.endswith(".h")]
     deps.append(os.path.join(ROOT, "csrc", "params.h"))
     if not os.path.exists(exe) or os.path.getmtime(exe) < max(map(os.path.getmtime, deps)):
-        cmd = [_compiler(), *FLAGS, *tiers_def.macros(row), *row["flags"], "-I", CPU_DIR,
+        cmd = [peak.compiler("C++"), *FLAGS, *tiers_def.macros(row), *row["flags"], "-I", CPU_DIR,
                SOURCE, "-o", exe]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:

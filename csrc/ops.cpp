@@ -121,11 +121,12 @@ void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, boo
 }
 
 // The softmax stats (params.h) of a forward whose logsumexp is `lse`: lse's shape and layout
-// with a trailing (m, l) pair.
+// with a trailing (hi, lo, shift) triple.
+constexpr int64_t kStatsPerRow = 3;
 at::Tensor stats_like(const at::Tensor& lse) {
   std::vector<int64_t> sizes = lse.sizes().vec(), strides;
-  for (const int64_t st : lse.strides()) strides.push_back(2 * st);
-  sizes.push_back(2);
+  for (const int64_t st : lse.strides()) strides.push_back(kStatsPerRow * st);
+  sizes.push_back(kStatsPerRow);
   strides.push_back(1);
   return at::empty_strided(sizes, strides, lse.options());
 }
@@ -134,7 +135,7 @@ at::Tensor stats_like(const at::Tensor& lse) {
 at::Tensor checked_stats(const c10::optional<at::Tensor>& stats, const at::Tensor& lse) {
   if (!stats.has_value() || !stats->defined()) return at::Tensor();
   std::vector<int64_t> want = lse.sizes().vec();
-  want.push_back(2);
+  want.push_back(kStatsPerRow);
   TORCH_CHECK(stats->scalar_type() == at::kFloat && stats->sizes() == want,
               "flashsdpa: softmax_stats must be the forward's: float32 of shape ", want, ", got ",
               stats->scalar_type(), " ", stats->sizes());
@@ -548,13 +549,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd
     if (vl.len_k(s) == 0) {  // rows that see no key: 0, lse the sink's score or -inf
       out.narrow(0, vl.cu_q[s], vl.len_q(s)).zero_();
       at::Tensor l = lse.narrow(1, vl.cu_q[s], vl.len_q(s));
-      at::Tensor st = stats.narrow(1, vl.cu_q[s], vl.len_q(s));  // (log2(e) sink or -inf, 0)
+      at::Tensor st = stats.narrow(1, vl.cu_q[s], vl.len_q(s));  // (log2(e) sink or -inf, 0, 0)
       if (vt.sinks.defined())
         l.copy_(vt.sinks.view({Hq, 1}).expand_as(l));
       else
         l.fill_(-std::numeric_limits<float>::infinity());
       st.select(2, 0).copy_(l * float(M_LOG2E));
       st.select(2, 1).zero_();
+      st.select(2, 2).zero_();
       continue;
     }
     seg.push_back(segment(base, vl, s, q.element_size()));

@@ -62,9 +62,11 @@ struct AttnParams {
   int64_t lse_sb, lse_sh, lse_sl;
   // Each row's log2-domain logsumexp as an unevaluated sum hi + lo (null: not kept): stats[0]
   // = hi, its float32 rounding, stats[1] = lo, the rest (-inf and 0 for a row that sees
-  // nothing), at stats + b * st_sb + h * st_sh + i * st_sl. The backward's P = 2^(s - hi) * 2^-lo
-  // keeps what lse's float32 rounding loses: ulp(|lse|) in every P (2.4e-4 at |lse| ~ 4000),
-  // and for a row at one huge constant log(l) whole. The same value whichever forward path ran.
+  // nothing), both relative to stats[2], the row's float-mask shift M (natural domain;
+  // cpu/flash_common.h mask_shift: lse = ln(2) * (hi + lo) + M), at stats + b * st_sb +
+  // h * st_sh + i * st_sl. The backward's P = 2^(s - hi) * 2^-lo, s relative to M, keeps what
+  // lse's float32 rounding loses: ulp(|lse|) in every P (2.4e-4 at |lse| ~ 4000), and for a row
+  // at one huge constant log(l) whole. The same value whichever forward path ran.
   float* stats;
   int64_t st_sb, st_sh, st_sl;
 

@@ -10,7 +10,7 @@ torch.ops.flashsdpa.flash_attn_bwd(grad_out, query, key, value, out, logsumexp, 
 torch.ops.flashsdpa.flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, dropout_p=0., *, softmax_scale=None,
                                           causal=False, <variants but bottom_right>)
-    -> (out (total_q, H, Dv), logsumexp (H, total_q), rng_state, softmax_stats (H, total_q, 2));
+    -> (out (total_q, H, Dv), logsumexp (H, total_q), rng_state, softmax_stats (H, total_q, 3));
 flash_attn_varlen_bwd likewise (softmax_stats=None keyword) -> (grad_q, grad_k, grad_v,
     grad_sinks), the gradients contiguous
 <variants>: window_left=-1, window_right=-1, bottom_right=False, softcap=0., alibi_slopes=None,
@@ -20,10 +20,11 @@ Layouts (the fake kernels below promise exactly what the CPU kernels return):
     output     like torch.empty_like(query) (when head dims match; else contiguous)
     logsumexp  float32 (B, H, L) stored as (B, L, H): natural-log LSE of scale*QK^T + mask
     rng_state  int64 (seed, offset) of the dropout keep-mask; zeros without dropout
-    softmax_stats  float32 (B, H, L, 2) stored as (B, L, H, 2): each row's log2-domain
-               logsumexp as hi + lo (hi its float32 rounding; csrc/params.h), from which the
-               backward's P keeps every digit at any logit size; without them (aten's autograd
-               formula saves only logsumexp) P carries the rounding of logsumexp
+    softmax_stats  float32 (B, H, L, 3) stored as (B, L, H, 3): each row's log2-domain
+               logsumexp as hi + lo (hi its float32 rounding) relative to the row's float-mask
+               shift, and the shift (csrc/params.h), from which the backward's P keeps every
+               digit at any logit size; without them (aten's autograd formula saves only
+               logsumexp) P carries the rounding of logsumexp
     grads      (B, H, L, D) stored as (B, L, H, D), as PyTorch's CPU kernel lays them out;
                grad_sinks float32 (H,), or (0,) without sinks
 """
@@ -51,7 +52,7 @@ def _fwd_fake(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     out = _output_like_query(query, value.shape[3])
     lse = query.new_empty((batch, seq_q, heads), dtype=torch.float32).transpose(1, 2)
     rng_state = query.new_empty((2,), dtype=torch.int64)
-    stats = query.new_empty((batch, seq_q, heads, 2), dtype=torch.float32).permute(0, 2, 1, 3)
+    stats = query.new_empty((batch, seq_q, heads, 3), dtype=torch.float32).permute(0, 2, 1, 3)
     return out, lse, rng_state, stats
 
 
@@ -85,7 +86,7 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     total_q, heads = q.shape[0], q.shape[1]
     out = q.new_empty((total_q, heads, v.shape[2]))
     lse = q.new_empty((heads, total_q), dtype=torch.float32)
-    stats = q.new_empty((heads, total_q, 2), dtype=torch.float32)
+    stats = q.new_empty((heads, total_q, 3), dtype=torch.float32)
     return out, lse, q.new_empty((2,), dtype=torch.int64), stats
 
 

@@ -217,16 +217,19 @@ def test_gradients_at_large_logits_as_pytorchs_math_path(case):
 def test_backward_without_softmax_stats_is_what_they_fix():
     """The check above can fail: the same backward op given only the logsumexp (as aten's
     autograd formula calls it) is S times off on the row at -1e9; with the forward's
-    softmax_stats it gives what PyTorch's math path gives in float32 (a uniform row: fp64 keeps
-    the scores under -1e9, float32 cannot). A malformed softmax_stats is an error naming it."""
+    softmax_stats it gives the fp64 gradients. The stats keep each row's mask shift (its
+    largest visible mask value: -1e9 on that row, 0 on the others). A malformed softmax_stats
+    is an error naming it."""
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 1, n, 16, generator=g) for n in (4, 24, 24))
     mask = torch.zeros(4, 24)
     mask[1] = -1e9
     out, lse, rng, stats = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)
-    assert stats.shape == (1, 1, 4, 2) and stats.dtype == torch.float32
+    assert stats.shape == (1, 1, 4, 3) and stats.dtype == torch.float32
+    assert stats[0, 0, :, 2].tolist() == [0.0, -1e9, 0.0, 0.0]
     go = torch.randn(out.shape, generator=g)
-    ref = _grads(F.scaled_dot_product_attention, q[0], k[0], v[0], mask, None, go[0])[2][None]
+    ref = _grads(F.scaled_dot_product_attention, q[0].double(), k[0].double(), v[0].double(),
+                 mask.double(), None, go[0].double())[2][None]
     err = {}
     for given in (stats, None):
         dv = torch.ops.flashsdpa.flash_attn_bwd(go, q, k, v, out, lse, rng, mask,
@@ -235,7 +238,7 @@ def test_backward_without_softmax_stats_is_what_they_fix():
     assert err[False] < 1e-5 < 0.1 < err[True], err
     with pytest.raises(RuntimeError, match="softmax_stats"):
         torch.ops.flashsdpa.flash_attn_bwd(go, q, k, v, out, lse, rng, mask,
-                                           softmax_stats=stats[..., :1])
+                                           softmax_stats=stats[..., :2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)

@@ -1,9 +1,13 @@
 """Attention masks in every form PyTorch accepts, read in place, and fully masked rows."""
+import math
+
 import pytest
 import torch
 
 import flashsdpa
-from conftest import DTYPE_IDS, DTYPES, check_forward_backward, make_qkv
+from flashsdpa import _testing
+from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
+                      reference_sdpa, torch_sdpa_same_dtype)
 
 B, H, L, S, D = 2, 3, 41, 67, 32
 
@@ -105,3 +109,121 @@ def test_key_padding_equals_truncation(tier):
     out = flashsdpa.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref = flashsdpa.scaled_dot_product_attention(q[..., :], k[:, :, :200], v[:, :, :200])
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+# ---- rows at one large mask value (the row shift) ------------------------------------------------
+def _visible(L, S, causal):
+    return torch.ones(L, S, dtype=torch.bool).tril() if causal else torch.ones(L, S, dtype=torch.bool)
+
+
+def _shifted(mask, L, S, causal):
+    """mask minus each row's largest visible value (float32, full (.., L, S)): the same softmax,
+    without the offset."""
+    full = mask.float().expand(*mask.shape[:-2], L, S)
+    vis = _visible(L, S, causal)
+    row_max = full.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
+    return full - row_max
+
+
+def _grads_of(fn, q, k, v, mask, causal, go):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*leaves, attn_mask=mask, is_causal=causal)
+    out.backward(go)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("form", ["rows_LS", "keypad_left_causal", "qdtype_BHLS"])
+def test_rows_at_one_large_mask_value(tier, form, dtype):
+    """A row whose visible keys all carry one large finite mask value (a -1e9 fill; also values
+    a few ulps apart) attends by its scores, as softmax does at any offset and fp64 gives: the
+    kernels add the mask relative to the row's largest visible value. Before, scores + 1e9
+    rounded to multiples of 64 and such rows attended to the wrong keys (fuzz_sdpa --case
+    14031898: error 17.1). With a float32 mask, out and every gradient are bit for bit those of
+    the call whose mask has the offset taken out (mask - row max); any mask, within the rule
+    of the fp64 reference (PyTorch's own error taken on the offset-free mask)."""
+    g = torch.Generator().manual_seed(7)
+    B_, H_, L_, S_ = 2, 2, 37, 53
+    q, k, v = make_qkv(B_, H_, H_, L_, S_, 32, dtype=dtype)
+    q = (q.float() * 4).to(dtype)  # scores spread by tens: far more than ulp(1e9) / 64 apart
+    causal = form == "keypad_left_causal"
+    big = -1e9
+    if form == "rows_LS":
+        mask = torch.randn(L_, S_, generator=g)
+        mask[[0, 5, L_ - 1]] = big
+        mask[9] = big + 64 * torch.randint(0, 4, (S_,), generator=g).float()  # a few ulps apart
+        mask[12, :40] = big  # a mixed row: max 0-ish, unchanged
+    elif form == "keypad_left_causal":  # left padding: rows i < 6 of batch 0 see padding only
+        mask = torch.zeros(B_, 1, 1, S_)
+        mask[0, ..., :6] = big
+    else:
+        fill = big if dtype != torch.float16 else -6e4
+        mask = torch.randn(B_, H_, L_, S_, generator=g)
+        mask[:, :, 3] = fill
+        mask = mask.to(dtype)
+    shifted = _shifted(mask, L_, S_, causal)
+    go = torch.randn(B_, H_, L_, 32, generator=g).to(dtype)
+    ours = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, mask, causal, go)
+    if mask.dtype == torch.float32:
+        same = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, shifted, causal, go)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), ours, same):
+            assert torch.equal(a, b), f"{tier} {form} {name}: not the offset-free call's bits"
+    ref = _grads_of(reference_sdpa, q.double(), k.double(), v.double(), shifted.double(), causal,
+                    go.double())
+    torch_same = _grads_of(torch_sdpa_same_dtype, q, k, v, shifted.to(q.dtype), causal, go)
+    for name, a, t, r in zip(("out", "dq", "dk", "dv"), ours, torch_same, ref):
+        assert_within_rule(a, t, r, dtype, f"{tier} {form} {name}")
+    # the logsumexp puts the offset back: -1e9 + the row's own logsumexp (to ulp(1e9))
+    if form == "rows_LS":
+        lse = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)[1]
+        s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32) + mask.double()
+        torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=64, rtol=0)
+        torch.testing.assert_close(lse[..., 1:5].double(), torch.logsumexp(s, -1)[..., 1:5],
+                                   atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-5)
+
+
+def test_decode_splits_at_different_offsets(tier):
+    """The split-KV decode path shifts each split's rows by the largest mask value the split
+    sees, and the merge moves them to the row's: a row at -1e6 with its last keys at -1e6 + 2
+    (weights e^-2 apart across splits) and a row at -1e9 everywhere, against the fp64
+    reference."""
+    q, k, v = make_qkv(1, 2, 2, 2, 3000, 32)
+    q = q * 4
+    mask = torch.full((2, 3000), -1e6)
+    mask[0, 2500:] = -1e6 + 2
+    mask[1] = -1e9
+    with _testing.policy(decode=1):
+        out, lse = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)[:2]
+        assert _testing.last_policy()["decode"]
+    shifted = _shifted(mask, 2, 3000, False)
+    ref = reference_sdpa(q, k, v, attn_mask=shifted.double())
+    torch_same = torch_sdpa_same_dtype(q, k, v, attn_mask=shifted)
+    assert_within_rule(out, torch_same, ref, torch.float32, f"{tier} decode out")
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
+    want = torch.logsumexp(s + mask.double(), -1)
+    torch.testing.assert_close(lse[..., 0].double(), want[..., 0], atol=0.0625, rtol=0)  # ulp(1e6)
+    torch.testing.assert_close(lse[..., 1].double(), want[..., 1], atol=64, rtol=0)
+
+
+def test_sink_in_a_shifted_row(tier):
+    """A sink's score moves with its row's shift: a row at -1e9 on every key attends to its sink
+    alone (out 0, the keys e^-1e9 behind), a row at -3 splits its mass with the sink as the
+    formula says; forward, gradients and the sinks' gradient against fp64."""
+    q, k, v = make_qkv(1, 2, 2, 6, 40, 16)
+    sinks = torch.tensor([0.5, -1.0])
+    mask = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
+    mask[1] = -1e9
+    mask[2] = -3.0
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = torch.ops.flashsdpa.flash_attn_fwd(*leaves[:3], mask, sinks=leaves[3])[0]
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    s = (ref_leaves[0] @ ref_leaves[1].transpose(-1, -2)) / 4 + mask.double()
+    s = torch.cat([s, ref_leaves[3].view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1)
+    ref = torch.softmax(s, -1)[..., :40] @ ref_leaves[2]
+    assert out[0, :, 1].abs().max() < 1e-30
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(go)
+    ref.backward(go.double())
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
+        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)

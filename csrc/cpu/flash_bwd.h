@@ -1,7 +1,8 @@
 // Blocked flash-attention backward (FA2), written once for every tier.
 //
-// With s = log2(e) * (scale * Q K^T + mask) and each row's log2-domain logsumexp from the
-// forward as m + log2(1 / inv_l) (row_norm: its stats hi + lo, or log2(e) * lse):
+// With s = log2(e) * (scale * Q K^T + mask - M) and each row's log2-domain logsumexp from the
+// forward as m + log2(1 / inv_l) (row_norm: its stats hi + lo and mask shift M, or
+// log2(e) * lse and M = 0):
 //   P    = 2^(s - m) * inv_l                  recomputed per tile, never stored
 //   Pd   = P * Z / (1 - p)                    Z: the forward's dropout keep bits (Philox)
 //   dV  += Pd^T dO
@@ -32,6 +33,7 @@ struct FlashBackward {
   struct Layout {
     int ldq, lddo, lds, ldd, lddv;
     float *q, *qp, *dO, *dop, *kt, *vt, *kp, *s, *pd, *dp, *dk, *dv, *dq, *mask, *a16, *dcap, *rn;
+    int32_t* mask_slot;
     int64_t total;
     Layout(const AttnParams& p, const Blocks& bl, float* scratch = nullptr) {
       const int64_t bkp = round_up(bl.bk, Ops::NR);
@@ -58,6 +60,7 @@ struct FlashBackward {
       dv = c.take(int64_t(bl.bk) * dvp);    // dV accumulator
       dq = c.take(int64_t(bl.bq) * dp_);    // dQ accumulator
       mask = c.take(int64_t(bl.bq) * bkp);
+      mask_slot = reinterpret_cast<int32_t*>(c.take(bl.bq));  // (MaskTile)
       a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
       dcap = c.take(p.softcap != 0.0f ? int64_t(bl.bq) * bkp : 0);  // softcap's derivative
       rn = c.take(3 * int64_t(bl.bq));      // per row: m, inv_l, delta (fused_rows)
@@ -82,7 +85,7 @@ struct FlashBackward {
       // the sink's dS: P_sink * (0 - delta), its value being 0
       if (p.sinks) {
         const RowNorm n = row_norm(p, b, h, i);
-        dsink -= exp2_poly(p.sinks[h] * kLog2e - n.m) * n.inv_l * delta;
+        dsink -= exp2_poly(sink_log2(p, h, n.shift) - n.m) * n.inv_l * delta;
       }
     }
     return dsink;
@@ -130,7 +133,9 @@ struct FlashBackward {
   static bool tile_ds(const AttnParams& p, const Layout& L, int64_t b, int64_t h,
                       int64_t i0, int nq, int64_t j0, int nk, Tile* tile, StepClock& clock) {
     float *s = L.s, *pd = L.pd, *dp = L.dp;
-    MaskTile mt{L.mask, L.lds, false};
+    // (each row's mask shift: the forward's, in its stats; without them none, as row_norm)
+    MaskTile mt{L.mask, L.mask_slot, L.lds, p.stats ? stats_ptr(p, b, h, i0) + 2 : nullptr,
+                p.st_sl};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);

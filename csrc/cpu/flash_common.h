@@ -91,17 +91,18 @@ inline float* lse_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
 inline float* stats_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return p.stats + b * p.st_sb + h * p.st_sh + i * p.st_sl;
 }
-// Row i's normaliser for the backward: P = 2^(s - m) * inv_l, from the forward's stats when kept
-// (params.h: m = hi, inv_l = 2^-lo), else from the logsumexp (inv_l 1).
+// Row i's normaliser for the backward: P = 2^(s - m) * inv_l with s relative to the row's mask
+// shift, from the forward's stats when kept (params.h: m = hi, inv_l = 2^-lo, shift), else from
+// the logsumexp (inv_l 1, shift 0).
 struct RowNorm {
-  float m, inv_l;
+  float m, inv_l, shift;
 };
 inline RowNorm row_norm(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   if (p.stats) {
     const float* st = stats_ptr(p, b, h, i);
-    return {st[0], exp2_poly(-st[1])};
+    return {st[0], exp2_poly(-st[1]), st[2]};
   }
-  return {*lse_ptr(p, b, h, i) * kLog2e, 1.0f};
+  return {*lse_ptr(p, b, h, i) * kLog2e, 1.0f, 0.0f};
 }
 inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return p.delta + (b * p.Hq + h) * p.Lq + i;
@@ -113,60 +114,145 @@ inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
 // such values attends uniformly there; times log2(e) it would overflow to -inf (a masked row).
 // They saturate at +-kMaskLimit instead; infinities (and NaN) pass unchanged.
 constexpr float kMaskLimit = 2.35e38f;  // * log2(e) stays below FLT_MAX
-inline float mask_log2(float m) {
-  return (m > kMaskLimit ? kMaskLimit : m < -kMaskLimit && m != kNegInf ? -kMaskLimit : m) * kLog2e;
+inline float mask_log2(float m) {  // (selects, no branches: the loops over it vectorise)
+  const float hi = m > kMaskLimit ? kMaskLimit : m;
+  const float lo = hi < -kMaskLimit ? -kMaskLimit : hi;
+  return (m == kNegInf ? kNegInf : lo) * kLog2e;
 }
 
-// dst[c] = log2(e) * mask[b, h, i, j0 + c] for c < n (mask_log2); bool masks give 0 (attend) or
-// -inf.
-inline void mask_row_log2(const AttnParams& p, int64_t b, int64_t h, int64_t i, int64_t j0, int n,
-                          float* dst) {
-  const int64_t base = b * p.m_sb + h * p.m_sh + i * p.m_sl + j0 * p.m_sk;
+// f(ld) with ld(c) the float mask's value (as float) at key offset c from offset base: one
+// loader per type and stride (1: contiguous, which the loops over it vectorise); nothing for
+// bool masks or none.
+template <class F>
+inline void with_float_mask(const AttnParams& p, int64_t base, F&& f) {
   const int64_t sk = p.m_sk;
+  const auto pick = [&](const auto* m, auto widen) {
+    if (sk == 1)
+      f([=](int64_t c) { return widen(m[c]); });
+    else
+      f([=](int64_t c) { return widen(m[c * sk]); });
+  };
   switch (p.mask_type) {
-    case MaskType::Bool: {
-      const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = m[c * sk] ? 0.0f : kNegInf;
+    case MaskType::F32:
+      pick(static_cast<const float*>(p.mask) + base, [](float v) { return v; });
       break;
-    }
-    case MaskType::F32: {
-      const float* m = static_cast<const float*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = mask_log2(m[c * sk]);
+    case MaskType::BF16:
+      pick(static_cast<const uint16_t*>(p.mask) + base, [](uint16_t v) { return bf16_to_f32(v); });
       break;
-    }
-    case MaskType::BF16: {
-      const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = mask_log2(bf16_to_f32(m[c * sk]));
+    case MaskType::F16:
+      pick(static_cast<const uint16_t*>(p.mask) + base, [](uint16_t v) { return f16_to_f32(v); });
       break;
-    }
-    case MaskType::F16: {
-      const uint16_t* m = static_cast<const uint16_t*>(p.mask) + base;
-      for (int c = 0; c < n; ++c) dst[c] = mask_log2(f16_to_f32(m[c * sk]));
-      break;
-    }
+    case MaskType::Bool:
     case MaskType::None:
-      for (int c = 0; c < n; ++c) dst[c] = 0.0f;
       break;
   }
 }
 
-// Mask rows of one (q block x kv block) tile. When the mask does not vary along the query
-// dimension (m_sl == 0, e.g. a key-padding mask) one converted row serves every query row.
-struct MaskTile {
-  float* buf;  // scratch: one row of bk floats, or bq rows when the mask varies by row
-  int ld;
-  bool per_row;
+// A float mask enters each row relative to its shift M, the largest mask value among the keys
+// [j0, j1) the row sees: scores + (mask - M). Softmax does not change under a per-row
+// constant, and mask - M is exact for values near M, so a row masked on every key by one large
+// finite value (a -1e9 fill) keeps its scores' digits, where scores + mask would round them to
+// multiples of ulp(1e9) = 64 and attend to the wrong keys. The logsumexp adds M back; the
+// stats keep it (params.h) for the backward. M beyond +-kShiftLimit, or not finite, gives 0:
+// no shift, so a row masked by finfo.min alone still attends uniformly, as in PyTorch (and in
+// fp64, whose ulp there is 2^75).
+constexpr float kShiftLimit = 0x1p40f;
+inline float shift_of_max(float mx) { return mx >= -kShiftLimit && mx <= kShiftLimit ? mx : 0.0f; }
+// The largest of a float mask's values [j0, j1) of row (b, h, i) (-inf: none; NaN passed over),
+// in 16 independent lanes (vector max; one chain of maxes would be bound by its latency).
+// (Out of line, as mask_row_log2: inlined into the kernels' loops, GCC leaves these scalar.)
+__attribute__((noinline)) inline float mask_max(const AttnParams& p, int64_t b, int64_t h,
+                                                int64_t i, int64_t j0, int64_t j1) {
+  float lane[16];
+  for (int u = 0; u < 16; ++u) lane[u] = kNegInf;
+  const int64_t n = j1 - j0;
+  with_float_mask(p, b * p.m_sb + h * p.m_sh + i * p.m_sl + j0 * p.m_sk, [&](auto ld) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16)
+      for (int u = 0; u < 16; ++u) {
+        const float v = ld(c + u);
+        lane[u] = v > lane[u] ? v : lane[u];
+      }
+    for (; c < n; ++c) lane[0] = ld(c) > lane[0] ? ld(c) : lane[0];
+  });
+  float mx = kNegInf;
+  for (int u = 0; u < 16; ++u) mx = lane[u] > mx ? lane[u] : mx;
+  return mx;
+}
+inline float mask_shift(const AttnParams& p, int64_t b, int64_t h, int64_t i, int64_t j0,
+                        int64_t j1) {
+  return shift_of_max(mask_max(p, b, h, i, j0, j1));
+}
+// shift[r] = mask_shift of row i0 + r over the keys it sees, r < nq. Rows of a mask that does not
+// vary along the queries (m_sl == 0) whose key ranges only grow at the end (no window's left
+// edge) take one running max (the same values: max is exact in any order).
+inline void mask_shifts(const AttnParams& p, const Visibility& vis, int64_t b, int64_t h,
+                        int64_t i0, int nq, float* shift) {
+  if (p.mask_type == MaskType::None || p.mask_type == MaskType::Bool) {
+    for (int r = 0; r < nq; ++r) shift[r] = 0.0f;
+  } else if (p.m_sl == 0 && !vis.lo_bounded) {
+    float mx = kNegInf;
+    int64_t seen = 0;
+    for (int r = 0; r < nq; ++r) {
+      const int64_t end = vis.end(i0 + r);
+      const float more = mask_max(p, b, h, i0, seen, end);
+      mx = more > mx ? more : mx;
+      seen = end > seen ? end : seen;
+      shift[r] = shift_of_max(mx);
+    }
+  } else {
+    for (int r = 0; r < nq; ++r)
+      shift[r] = mask_shift(p, b, h, i0 + r, vis.begin(i0 + r), vis.end(i0 + r));
+  }
+}
 
+// dst[c] = log2(e) * (mask[b, h, i, j0 + c] - shift) for c < n (mask_log2; the row's shift,
+// mask_shift's); bool masks give 0 (attend) or -inf.
+// (Out of line: inlined into the kernels' loops GCC left it scalar, 4 cycles a value; here it
+// vectorises.)
+__attribute__((noinline)) inline void mask_row_log2(const AttnParams& p, int64_t b, int64_t h,
+                                                    int64_t i, int64_t j0, int n, float* dst,
+                                                    float shift = 0.0f) {
+  const int64_t base = b * p.m_sb + h * p.m_sh + i * p.m_sl + j0 * p.m_sk;
+  if (p.mask_type == MaskType::Bool) {
+    const uint8_t* m = static_cast<const uint8_t*>(p.mask) + base;
+    for (int c = 0; c < n; ++c) dst[c] = m[c * p.m_sk] ? 0.0f : kNegInf;
+  } else if (p.mask_type == MaskType::None) {
+    for (int c = 0; c < n; ++c) dst[c] = 0.0f;
+  } else {
+    with_float_mask(p, base, [&](auto ld) {
+      for (int c = 0; c < n; ++c) dst[c] = mask_log2(ld(c) - shift);
+    });
+  }
+}
+
+// Mask rows of one (q block x kv block) tile, each row relative to its shift (shift[r * ld_shift]
+// for row r; null: none). When the mask does not vary along the query dimension (m_sl == 0, e.g.
+// a key-padding mask) a converted row serves every next row of the same shift (a key-padding
+// mask's shifts rise at most a few times down a block: the running max of mask_shifts).
+struct MaskTile {
+  float* buf;      // scratch: bq rows of bk floats
+  int32_t* slot;   // scratch: per row of the tile, the row of buf it reads
+  int ld;
+  const float* shift = nullptr;
+  int64_t ld_shift = 1;
+
+  float row_shift(int r) const { return shift ? shift[r * ld_shift] : 0.0f; }
   const float* fill(const AttnParams& p, int64_t b, int64_t h, int64_t i0, int nq, int64_t j0,
                     int nk) {
     if (p.mask_type == MaskType::None) return nullptr;
-    per_row = p.m_sl != 0;
-    const int rows = per_row ? nq : 1;
-    for (int r = 0; r < rows; ++r) mask_row_log2(p, b, h, i0 + r, j0, nk, buf + int64_t(r) * ld);
+    for (int r = 0; r < nq; ++r) {
+      if (r > 0 && p.m_sl == 0 && row_shift(r) == row_shift(r - 1)) {
+        slot[r] = slot[r - 1];
+        continue;
+      }
+      slot[r] = r;
+      mask_row_log2(p, b, h, i0 + r, j0, nk, buf + int64_t(r) * ld, row_shift(r));
+    }
     return buf;
   }
   const float* row(const float* tile, int r) const {
-    return tile ? tile + (per_row ? int64_t(r) * ld : 0) : nullptr;
+    return tile ? tile + int64_t(slot[r]) * ld : nullptr;
   }
 };
 
@@ -185,11 +271,15 @@ inline RowScore row_score(const AttnParams& p, int64_t b, int64_t h, int64_t i, 
   return r;
 }
 
+// The sink's score, log2 domain, in a row of shift `shift` (mask_shift).
+inline float sink_log2(const AttnParams& p, int64_t h, float shift) {
+  return (p.sinks[h] - shift) * kLog2e;
+}
 // A row's softmax state before its first key: nothing (m = -inf, l = 0), or with a sink its
-// score (m = log2(e) * sink, l = 2^0 = 1): the sink's mass is in l from the start and its
-// value, 0, adds nothing to acc.
-inline void start_row(const AttnParams& p, int64_t h, float* m, float* l) {
-  *m = p.sinks ? p.sinks[h] * kLog2e : kNegInf;
+// score (m = sink_log2, l = 2^0 = 1): the sink's mass is in l from the start and its value, 0,
+// adds nothing to acc.
+inline void start_row(const AttnParams& p, int64_t h, float* m, float* l, float shift = 0.0f) {
+  *m = p.sinks ? sink_log2(p, h, shift) : kNegInf;
   *l = p.sinks ? 1.0f : 0.0f;
 }
 
@@ -256,24 +346,26 @@ inline bool q_row_has_nan(const AttnParams& p, int64_t b, int64_t h, int64_t i) 
   return false;
 }
 
-// out = acc / l, lse = ln(2) * (m + log2(l)), and when kept the stats: m + log2(l) as hi + lo
-// (TwoSum: exact); rows with nothing to attend to (l == 0, or Lk == 0) give out = 0,
-// lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf) and stats (-inf, 0). A row left
+// out = acc / l, lse = ln(2) * (m + log2(l)) + shift (the row's mask_shift), and when kept the
+// stats: m + log2(l) as hi + lo (TwoSum: exact), and the shift; rows with nothing to attend to
+// (l == 0, or Lk == 0) give out = 0, lse = p.lse_empty (0 as PyTorch's fused kernel, or -inf)
+// and stats (-inf, 0, shift). A row left
 // empty because its query holds NaN (its scores are NaN, which the row max passes over) is NaN,
 // as PyTorch gives it, not 0: a NaN hidden as 0 hides a diverging run. (Checked only for empty
 // rows: any other row with a NaN score has l = NaN already.)
 template <class Ops, class T>
 inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, float m, float l,
-                       const float* acc_row) {
+                       const float* acc_row, float shift = 0.0f) {
   if (l == 0.0f && p.Lk > 0 && q_row_has_nan<T>(p, b, h, i)) l = m = kNaN;
   const bool empty = l == 0.0f;
   const float lg = __builtin_log2f(l);
-  *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + lg) * kLn2;
+  *lse_ptr(p, b, h, i) = empty ? p.lse_empty : (m + lg) * kLn2 + shift;
   if (p.stats) {
     float* st = stats_ptr(p, b, h, i);
     const float hi = m + lg, lg_part = hi - m;
     st[0] = empty ? kNegInf : hi;
     st[1] = empty ? 0.0f : (m - (hi - lg_part)) + (lg - lg_part);
+    st[2] = shift;
   }
   Ops::Row::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
 }

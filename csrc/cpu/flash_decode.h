@@ -171,7 +171,7 @@ struct FlashDecode {
   // the rows of every head of an item.
   struct Layout {
     int ldq, lds, ldacc;
-    float *q, *s, *acc, *m, *l, *mask;
+    float *q, *s, *acc, *m, *l, *shift, *mask;
     const KV **k_at, **k_pf, **v_at, **v_pf;  // a block's row tables (block_rows)
     KV* kv;  // gathered: one block of K or V rows, head after head
     int64_t total;
@@ -186,6 +186,7 @@ struct FlashDecode {
       acc = c.take(M * ldacc);
       m = c.take(M);
       l = c.take(M);
+      shift = c.take(M);
       mask = c.take(M * lds);
       const auto table = [&] {  // nb row pointers (TableRows: paged caches read in place)
         const int64_t n = p.page_size > 0 && !gathers(p) ? nb : 0;
@@ -201,10 +202,11 @@ struct FlashDecode {
   };
   static int64_t scratch_floats(const AttnParams& p) { return Layout(p).total; }
 
-  // Partial results, [B * Hkv * n_splits][M][ldacc + 2]: acc, then m and l (the merge's
-  // order, whichever item wrote them).
+  // Partial results, [B * Hkv * n_splits][M][ldacc + 3]: acc, then m, l and the mask shift
+  // (each split's rows relative to the shift of the keys they see in it; the merge's order,
+  // whichever item wrote them).
   static int64_t part_floats(const AttnParams& p) {
-    return p.B * p.Hkv * n_splits(p) * rows(p) * (Layout(p).ldacc + 2);
+    return p.B * p.Hkv * n_splits(p) * rows(p) * (Layout(p).ldacc + 3);
   }
   static int64_t split_items(const AttnParams& p) {
     return p.B * (p.Hkv / heads_per_item(p)) * n_splits(p);
@@ -336,8 +338,10 @@ struct FlashDecode {
       q_mul[e] = caps<O>().scale_in_a ? mul : 1.0f;
       s_mul[e] = caps<O>().scale_in_a ? 1.0f : mul;
     }
+    const Visibility vis = Visibility::of(p);
     for (int64_t r = 0; r < nh * M; ++r) {
       const int64_t hk = hk0 + r / M, h = hk * group + r % M / p.Lq, i = r % M % p.Lq;
+      L.shift[r] = mask_shift(p, b, h, i, max64(j_begin, vis.begin(i)), min64(j_end, vis.end(i)));
       O::Row::load_rows(q_row<T>(p, b, h, i), 0, 1, int(p.D), L.q + r * L.ldq, L.ldq,
                         q_mul[r / M]);
       O::template decode_to_order<KV>(L.q + r * L.ldq, int(p.D));
@@ -349,7 +353,6 @@ struct FlashDecode {
     clock.lap(&PathCounters::decode_softmax_ns);
     if constexpr (scan)
       if (!fast_item(L.q, nh * M * L.ldq)) return exact_item(p, item, scratch);
-    const Visibility vis = Visibility::of(p);
     bool any[kMaxItemHeads];  // per head of the item
     const int sub = sub_keys(p);
     for (int64_t j0 = j_begin; j0 < j_end; j0 += nb) {
@@ -404,7 +407,7 @@ struct FlashDecode {
             float* madd = nullptr;
             if (p.mask_type != MaskType::None) {
               madd = L.mask + er * L.lds;
-              mask_row_log2(p, b, h, i, j0, nk, madd);
+              mask_row_log2(p, b, h, i, j0, nk, madd, L.shift[er]);
             }
             RowScore rs = row_score(p, b, h, i, j0, s_mul[e], madd);
             rs.lo = vis.row_first(i, j0, nk), rs.hi = vis.row_cols(i, j0, nk);
@@ -432,7 +435,7 @@ struct FlashDecode {
         clock.lap(&PathCounters::decode_pv_ns);
       });
     }
-    const int64_t ld_part = L.ldacc + 2;
+    const int64_t ld_part = L.ldacc + 3;
     for (int e = 0; e < nh; ++e) {  // partial (b, hk, sp), as the merge reads them
       float* part = p.dec_part + ((b * p.Hkv + hk0 + e) * ns + sp) * M * ld_part;
       const float v_mul = kv_factor<O>(p.v_scale, p.v_scale_sh, hk0 + e, true);
@@ -443,6 +446,7 @@ struct FlashDecode {
         for (int d = 0; d < int(p.Dv); ++d) pr[d] = L.acc[er * L.ldacc + d] * v_mul;
         pr[L.ldacc] = L.m[er];
         pr[L.ldacc + 1] = L.l[er];
+        pr[L.ldacc + 2] = L.shift[er];
       }
     }
     clock.lap(&PathCounters::decode_softmax_ns);
@@ -452,31 +456,43 @@ struct FlashDecode {
     const Layout L(p, scratch);
     const int64_t ns = n_splits(p), M = rows(p), group = p.Hq / p.Hkv;
     const int64_t b = item / p.Hkv, hk = item % p.Hkv;
-    const int64_t ld_part = L.ldacc + 2;
+    const int64_t ld_part = L.ldacc + 3;
     const float* parts = p.dec_part + item * ns * M * ld_part;
     float* acc = L.acc;
     for (int64_t r = 0; r < M; ++r) {
       const int64_t h = hk * group + r / p.Lq;
+      // the row's shift: the largest of its splits' (those that saw a key), each split's m moved
+      // to it (exact where it matters: a split far below weighs 0)
+      const auto part = [&](int64_t sp) { return parts + (sp * M + r) * ld_part; };
+      const auto seen = [&](int64_t sp) { return part(sp)[L.ldacc + 1] != 0.0f; };
+      float shift = kNegInf;
+      for (int64_t sp = 0; sp < ns; ++sp)
+        if (seen(sp) && part(sp)[L.ldacc + 2] > shift) shift = part(sp)[L.ldacc + 2];
+      if (shift == kNegInf) shift = 0.0f;
+      const auto m_of = [&](int64_t sp) {
+        return part(sp)[L.ldacc] + (part(sp)[L.ldacc + 2] - shift) * kLog2e;
+      };
       float m_sink, l_all;
-      start_row(p, h, &m_sink, &l_all);  // the sink, if any: in the merged state once
+      start_row(p, h, &m_sink, &l_all, shift);  // the sink, if any: in the merged state once
       float m_all = m_sink;
-      for (int64_t sp = 0; sp < ns; ++sp) {
-        const float ms = parts[(sp * M + r) * ld_part + L.ldacc];
-        m_all = ms > m_all ? ms : m_all;
-      }
+      for (int64_t sp = 0; sp < ns; ++sp)
+        if (seen(sp)) {
+          const float ms = m_of(sp);
+          m_all = ms > m_all ? ms : m_all;
+        }
       if (p.sinks) l_all = exp2_poly(m_sink - m_all);
       float* ar = acc + r * L.ldacc;
       for (int d = 0; d < int(p.Dv); ++d) ar[d] = 0.0f;
       if (m_all != kNegInf) {
         for (int64_t sp = 0; sp < ns; ++sp) {
-          const float* pr = parts + (sp * M + r) * ld_part;
-          if (pr[L.ldacc + 1] == 0.0f) continue;  // nothing visible in this split
-          const float w = exp2_poly(pr[L.ldacc] - m_all);
+          if (!seen(sp)) continue;  // nothing visible in this split
+          const float* pr = part(sp);
+          const float w = exp2_poly(m_of(sp) - m_all);
           l_all += w * pr[L.ldacc + 1];
           for (int d = 0; d < int(p.Dv); ++d) ar[d] += w * pr[d];
         }
       }
-      finish_row<Ops, T>(p, b, h, r % p.Lq, m_all, l_all, ar);
+      finish_row<Ops, T>(p, b, h, r % p.Lq, m_all, l_all, ar, shift);
     }
   }
 };

@@ -4,12 +4,13 @@
 //   m = -inf, l = 0, acc = 0                               (per row; fp32)
 //   for each kv block [j0, j0 + bk) the rows can see:
 //     S   = Q_blk K_blk^T                                  (gemm, fp32)
-//     s   = log2(e) * (scale * S + mask); causal cut       (score_row; log2 domain: Q_blk is
-//                                                           loaded pre-multiplied by scale*log2e)
+//     s   = log2(e) * (scale * S + mask - M); causal cut   (score_row; log2 domain: Q_blk is
+//                                                           loaded pre-multiplied by scale*log2e;
+//                                                           M: the row's mask_shift)
 //     m'  = max(m, rowmax(s)); alpha = 2^(m - m')
 //     P   = 2^(s - m'); l = alpha * l + rowsum(P)
 //     acc = alpha * acc + dropout(P) V_blk                 (gemm)
-//   out = acc / l;  lse = ln(2) * (m + log2(l))
+//   out = acc / l;  lse = ln(2) * (m + log2(l)) + M
 // Rows with nothing to attend to (l == 0) give out = 0 and lse = 0, as PyTorch's kernel does.
 // Fused exponentials (traits with fused_exp, when the plan allows them: AttnParams::fused_exp):
 // on a block without mask, dropout, softcap or ALiBi, of whole panels, P = 2^(s - m) comes
@@ -47,7 +48,8 @@ struct FlashForward {
   // buffers of the transposed-score items (Phase::ForwardTransposed) too.
   struct Layout {
     int ldq, lds, ldacc, ldt;
-    float *q, *kt, *v, *s, *acc, *m, *l, *mask, *a16, *sv, *qt, *st, *at, *ct;
+    float *q, *kt, *v, *s, *acc, *m, *l, *shift, *mask, *a16, *sv, *qt, *st, *at, *ct;
+    int32_t* mask_slot;
     int64_t total;
     Layout(const AttnParams& p, const Blocks& bl, bool transposed, float* scratch = nullptr) {
       const int64_t bkp = round_up(bl.bk, Ops::NR);
@@ -65,7 +67,9 @@ struct FlashForward {
       acc = c.take(int64_t(bl.bq) * dvp);
       m = c.take(bqp);  // per query row: whole panels of them in the transposed path
       l = c.take(bqp);
+      shift = c.take(bl.bq);  // per query row: its mask_shift
       mask = c.take(int64_t(bl.bq) * bkp);
+      mask_slot = reinterpret_cast<int32_t*>(c.take(bl.bq));  // (MaskTile)
       a16 = c.take(caps<Ops>().prep_a ? int64_t(bl.bq) * bkp : 0);
       sv = c.take(caps<Ops>().fused_exp ? int64_t(bl.bq) * 16 : 0);
       qt = c.take(transposed ? bqp * p.D : 0);
@@ -241,8 +245,9 @@ struct FlashForward {
     const int nq = pos.nq;
     const int Dv = int(p.Dv);
 
-    float *qbuf = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l;
-    MaskTile mt{L.mask, L.lds, false};
+    float *qbuf = L.q, *s = L.s, *acc = L.acc, *m = L.m, *l = L.l, *shift = L.shift;
+    const Visibility vis = Visibility::of(p);
+    MaskTile mt{L.mask, L.mask_slot, L.lds, shift};
     const float scale_log2 = p.scale * kLog2e;
     const float q_mul = caps<Ops>().scale_in_a ? scale_log2 : 1.0f;  // folded into Q, or
     const float s_mul = caps<Ops>().scale_in_a ? 1.0f : scale_log2;  // applied to the scores
@@ -257,8 +262,9 @@ struct FlashForward {
     StepClock clock(p);  // (the steps' time, when counting: PathCounters::fwd_*_ns)
     // Q_blk [nq, D] in fp32
     Ops::Row::load_rows(q_row<T>(p, b, h, i0), p.q_sl, nq, int(p.D), qbuf, L.ldq, q_mul);
+    mask_shifts(p, vis, b, h, i0, nq, shift);
     for (int r = 0; r < nq; ++r) {
-      start_row(p, h, &m[r], &l[r]);
+      start_row(p, h, &m[r], &l[r], shift[r]);
       float* a = acc + int64_t(r) * L.ldacc;
       for (int d = 0; d < L.ldacc; ++d) a[d] = 0.0f;
     }
@@ -271,7 +277,6 @@ struct FlashForward {
       return true;
     };
     bool m_fit = p.sinks != nullptr && refs_ok();
-    const Visibility vis = Visibility::of(p);
     const int64_t kv_begin = first_kv_block(vis, i0, nq, bl.bk), kv_end = vis.rows_end(i0, nq);
     count_path(p, &PathCounters::fwd_tiles, ceil_div(max64(0, kv_end - kv_begin), bl.bk));
     clock.lap(&PathCounters::fwd_softmax_ns);
@@ -384,7 +389,7 @@ struct FlashForward {
     }
 
     for (int r = 0; r < nq; ++r)
-      finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc);
+      finish_row<Ops, T>(p, b, h, i0 + r, m[r], l[r], acc + int64_t(r) * L.ldacc, shift[r]);
     clock.lap(&PathCounters::fwd_softmax_ns);
     count_path(p, &PathCounters::fused_exp_blocks, fused_blocks);
     count_path(p, &PathCounters::fused_exp_band_blocks, band_blocks);

@@ -192,15 +192,14 @@ def score_bound(c):
 
 def large_logits(c, limit=100.0):
     """A known gap (README, "Where results differ"): flashsdpa works in the log2 domain (scores
-    times scale * log2(e), float masks times log2(e)), one more rounding of each score than
-    PyTorch's natural-domain softmax, which exp() amplifies once scores or mask values are large
-    (|score| can pass `limit`, or a float mask value has magnitude >= 1e3): outputs and
+    times scale * log2(e)), one more rounding of each score than PyTorch's natural-domain
+    softmax, which exp() amplifies once scores are large (|score| can pass `limit`): outputs and
     gradients are then held to the suite's rule with its atol term scaled by that floor
-    (max|score| * max|V|). --strict: the plain rule (6 of 10,000 seeded cases exceed it: five
-    outputs and one dq, errors up to 6.2x PyTorch's own, 1.8x the rule's bound)."""
-    m = c["attn_mask"]
-    return score_bound(c) > limit or (m is not None and m.is_floating_point() and
-                                      m.numel() > 0 and m.double().abs().max().item() >= 1e3)
+    (max|score| * max|V|). --strict: the plain rule (4 of 10,000 seeded cases exceed it, all
+    outputs, errors up to 6.1x PyTorch's own, 2.4x the rule's bound). Large float-mask values
+    are no gap: rows at one large value are shifted (exact), and keys far below a row's largest
+    weigh nothing."""
+    return score_bound(c) > limit
 
 
 STRICT = False  # --strict: large_logits cases' gradients are checked too

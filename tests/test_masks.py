@@ -117,12 +117,13 @@ def _visible(L, S, causal):
 
 
 def _shifted(mask, L, S, causal):
-    """mask minus each row's largest visible value (float32, full (.., L, S)): the same softmax,
-    without the offset."""
+    """mask minus each row's largest visible value where that is of magnitude 2^10 to 2^40 (the
+    kernels' rule; float32, full (.., L, S)): the same softmax, without the offset."""
     full = mask.float().expand(*mask.shape[:-2], L, S)
     vis = _visible(L, S, causal)
     row_max = full.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
-    return full - row_max
+    shift = torch.where((row_max.abs() >= 2**10) & (row_max.abs() <= 2**40), row_max, 0.0)
+    return full - shift
 
 
 def _grads_of(fn, q, k, v, mask, causal, go):
@@ -207,19 +208,23 @@ def test_decode_splits_at_different_offsets(tier):
 
 def test_sink_in_a_shifted_row(tier):
     """A sink's score moves with its row's shift: a row at -1e9 on every key attends to its sink
-    alone (out 0, the keys e^-1e9 behind), a row at -3 splits its mass with the sink as the
-    formula says; forward, gradients and the sinks' gradient against fp64."""
+    alone (out 0, the keys e^-1e9 behind); a row at -3000 + N(0, 1) shares its mass with sinks
+    at -2996 and -2997.5 as the formula says (scores + 3000 rounded to ulp(4328) = 4.9e-4 in the
+    log2 domain would miss the bound); forward, gradients and the sinks' gradient against fp64."""
     q, k, v = make_qkv(1, 2, 2, 6, 40, 16)
-    sinks = torch.tensor([0.5, -1.0])
-    mask = torch.randn(6, 40, generator=torch.Generator().manual_seed(2))
+    sinks = torch.tensor([-2996.0, -2997.5])
+    g = torch.Generator().manual_seed(2)
+    mask = torch.randn(6, 40, generator=g)
     mask[1] = -1e9
-    mask[2] = -3.0
+    mask[2] = -3000.0 + torch.randn(40, generator=g)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out = torch.ops.flashsdpa.flash_attn_fwd(*leaves[:3], mask, sinks=leaves[3])[0]
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
     s = (ref_leaves[0] @ ref_leaves[1].transpose(-1, -2)) / 4 + mask.double()
     s = torch.cat([s, ref_leaves[3].view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1)
-    ref = torch.softmax(s, -1)[..., :40] @ ref_leaves[2]
+    p = torch.softmax(s, -1)
+    assert 0.1 < p[0, :, 2, 40].min() and p[0, :, 2, 40].max() < 0.9  # the sink competes
+    ref = p[..., :40] @ ref_leaves[2]
     assert out[0, :, 1].abs().max() < 1e-30
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))

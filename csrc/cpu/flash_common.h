@@ -153,11 +153,16 @@ inline void with_float_mask(const AttnParams& p, int64_t base, F&& f) {
 // constant, and mask - M is exact for values near M, so a row masked on every key by one large
 // finite value (a -1e9 fill) keeps its scores' digits, where scores + mask would round them to
 // multiples of ulp(1e9) = 64 and attend to the wrong keys. The logsumexp adds M back; the
-// stats keep it (params.h) for the backward. M beyond +-kShiftLimit, or not finite, gives 0:
-// no shift, so a row masked by finfo.min alone still attends uniformly, as in PyTorch (and in
-// fp64, whose ulp there is 2^75).
-constexpr float kShiftLimit = 0x1p40f;
-inline float shift_of_max(float mx) { return mx >= -kShiftLimit && mx <= kShiftLimit ? mx : 0.0f; }
+// stats keep it (params.h) for the backward. Only |M| in [kShiftMin, kShiftLimit] shifts:
+// below, scores + mask loses no more than the scores' own rounding (and the values far below
+// M that mask - M would round weigh nothing only when M is large), so such rows keep the bits
+// of the plain sum; beyond, or not finite, no shift either, so a row masked by finfo.min alone
+// still attends uniformly, as in PyTorch (and in fp64, whose ulp there is 2^75).
+constexpr float kShiftMin = 0x1p10f, kShiftLimit = 0x1p40f;
+inline float shift_of_max(float mx) {
+  const float a = __builtin_fabsf(mx);
+  return a >= kShiftMin && a <= kShiftLimit ? mx : 0.0f;
+}
 // The largest of a float mask's values [j0, j1) of row (b, h, i) (-inf: none; NaN passed over),
 // in 16 independent lanes (vector max; one chain of maxes would be bound by its latency).
 // (Out of line, as mask_row_log2: inlined into the kernels' loops, GCC leaves these scalar.)

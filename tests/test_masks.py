@@ -112,29 +112,37 @@ def test_key_padding_equals_truncation(tier):
 
 
 # ---- rows at one large mask value (the row shift) ------------------------------------------------
-def _visible(L, S, causal):
-    return torch.ones(L, S, dtype=torch.bool).tril() if causal else torch.ones(L, S, dtype=torch.bool)
+def _visible(L, S, causal, left=-1):
+    """Row i sees keys j <= i (causal), and j >= i - left (a window's left side, left >= 0)."""
+    i, j = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+    vis = torch.ones(L, S, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if left >= 0:
+        vis &= j >= i - left
+    return vis
 
 
-def _shifted(mask, L, S, causal):
+def _shifted(mask, L, S, causal, left=-1):
     """mask minus each row's largest visible value where that is of magnitude 2^10 to 2^40 (the
     kernels' rule; float32, full (.., L, S)): the same softmax, without the offset."""
     full = mask.float().expand(*mask.shape[:-2], L, S)
-    vis = _visible(L, S, causal)
+    vis = _visible(L, S, causal, left)
     row_max = full.masked_fill(~vis, float("-inf")).amax(-1, keepdim=True)
     shift = torch.where((row_max.abs() >= 2**10) & (row_max.abs() <= 2**40), row_max, 0.0)
     return full - shift
 
 
-def _grads_of(fn, q, k, v, mask, causal, go):
+def _grads_of(fn, q, k, v, mask, causal, go, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*leaves, attn_mask=mask, is_causal=causal)
+    out = fn(*leaves, attn_mask=mask, is_causal=causal, **kw)
     out.backward(go)
     return [out.detach()] + [t.grad for t in leaves]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("form", ["rows_LS", "keypad_left_causal", "qdtype_BHLS"])
+@pytest.mark.parametrize("form", ["rows_LS", "keypad_left_causal", "keypad_window",
+                                  "qdtype_BHLS"])
 def test_rows_at_one_large_mask_value(tier, form, dtype):
     """A row whose visible keys all carry one large finite mask value (a -1e9 fill; also values
     a few ulps apart) attends by its scores, as softmax does at any offset and fp64 gives: the
@@ -148,6 +156,7 @@ def test_rows_at_one_large_mask_value(tier, form, dtype):
     q, k, v = make_qkv(B_, H_, H_, L_, S_, 32, dtype=dtype)
     q = (q.float() * 4).to(dtype)  # scores spread by tens: far more than ulp(1e9) / 64 apart
     causal = form == "keypad_left_causal"
+    left = 6 if form == "keypad_window" else -1  # window (6, 0): rows 26-29 see padding only
     big = -1e9
     if form == "rows_LS":
         mask = torch.randn(L_, S_, generator=g)
@@ -157,18 +166,25 @@ def test_rows_at_one_large_mask_value(tier, form, dtype):
     elif form == "keypad_left_causal":  # left padding: rows i < 6 of batch 0 see padding only
         mask = torch.zeros(B_, 1, 1, S_)
         mask[0, ..., :6] = big
+    elif form == "keypad_window":
+        mask = torch.zeros(B_, 1, 1, S_)
+        mask[..., 20:30] = big
     else:
         fill = big if dtype != torch.float16 else -6e4
         mask = torch.randn(B_, H_, L_, S_, generator=g)
         mask[:, :, 3] = fill
         mask = mask.to(dtype)
-    shifted = _shifted(mask, L_, S_, causal)
+    shifted = _shifted(mask, L_, S_, causal or left >= 0, left)  # (window (left, 0): j <= i)
     go = torch.randn(B_, H_, L_, 32, generator=g).to(dtype)
-    ours = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, mask, causal, go)
+    window = dict(window_size=(left, 0)) if left >= 0 else {}
+    ours = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, mask, causal, go, **window)
     if mask.dtype == torch.float32:
-        same = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, shifted, causal, go)
+        same = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, shifted, causal, go,
+                         **window)
         for name, a, b in zip(("out", "dq", "dk", "dv"), ours, same):
             assert torch.equal(a, b), f"{tier} {form} {name}: not the offset-free call's bits"
+    if left >= 0:  # the band, for PyTorch and the reference, in the mask
+        shifted = shifted.masked_fill(~_visible(L_, S_, True, left), float("-inf"))
     ref = _grads_of(reference_sdpa, q.double(), k.double(), v.double(), shifted.double(), causal,
                     go.double())
     torch_same = _grads_of(torch_sdpa_same_dtype, q, k, v, shifted.to(q.dtype), causal, go)

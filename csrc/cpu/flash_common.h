@@ -112,7 +112,7 @@ inline float* delta_ptr(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
 // A float mask value in the log2 domain. Finite values stay finite: PyTorch adds the mask in the
 // natural domain, where finfo.min (Hugging Face's fill value) is finite, so a row of nothing but
 // such values attends uniformly there; times log2(e) it would overflow to -inf (a masked row).
-// They saturate at +-kMaskLimit instead; infinities (and NaN) pass unchanged.
+// They saturate at +-kMaskLimit instead (+inf too); -inf and NaN pass unchanged.
 constexpr float kMaskLimit = 2.35e38f;  // * log2(e) stays below FLT_MAX
 inline float mask_log2(float m) {  // (selects, no branches: the loops over it vectorise)
   const float hi = m > kMaskLimit ? kMaskLimit : m;
@@ -153,11 +153,11 @@ inline void with_float_mask(const AttnParams& p, int64_t base, F&& f) {
 // constant, and mask - M is exact for values near M, so a row masked on every key by one large
 // finite value (a -1e9 fill) keeps its scores' digits, where scores + mask would round them to
 // multiples of ulp(1e9) = 64 and attend to the wrong keys. The logsumexp adds M back; the
-// stats keep it (params.h) for the backward. Only |M| in [kShiftMin, kShiftLimit] shifts:
-// below, scores + mask loses no more than the scores' own rounding (and the values far below
-// M that mask - M would round weigh nothing only when M is large), so such rows keep the bits
-// of the plain sum; beyond, or not finite, no shift either, so a row masked by finfo.min alone
-// still attends uniformly, as in PyTorch (and in fp64, whose ulp there is 2^75).
+// stats keep it (params.h) for the backward. Only |M| in [kShiftMin, kShiftLimit] shifts.
+// Below, scores + mask loses no more than the scores' own rounding, while mask - M would round
+// values far below a small M that still weigh something: such rows keep the plain sum's bits.
+// Beyond, or not finite, no shift either, so a row masked by finfo.min alone still attends
+// uniformly, as in PyTorch (and in fp64, whose ulp there is 2^75).
 constexpr float kShiftMin = 0x1p10f, kShiftLimit = 0x1p40f;
 inline float shift_of_max(float mx) {
   const float a = __builtin_fabsf(mx);

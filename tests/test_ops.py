@@ -16,10 +16,13 @@ def test_opcheck_forward(layout, dtype):
     """The eager call (inputs that require grad: a backward follows) takes the prefill kernel,
     the forward AOT traces (no grad there) the split-KV decode kernel (q_len 9): in bf16 they
     round P to bf16 against different references (the bf16 tiers), so their outputs agree to an
-    ulp of bf16 at the output's scale, not to assert_close's default for bf16."""
+    ulp of bf16 at the output's scale, and the gradients AOT takes from that output (through
+    delta = rowsum(dO * O)) to two, not to assert_close's default for bf16. (With one ulp and an
+    unseeded mask this failed about one run in three: 7 of 40 mask seeds need the second ulp,
+    none of them a third.)"""
     q, k, v = make_qkv(2, 4, 2, 9, 13, 16, dtype=dtype, layout=layout, requires_grad=True)
-    mask = torch.randn(2, 1, 9, 13)
-    tol = dict(atol=2.0 ** -7, rtol=1.6e-2) if dtype == torch.bfloat16 else {}
+    mask = torch.randn(2, 1, 9, 13, generator=torch.Generator().manual_seed(4))  # (a 2-ulp seed)
+    tol = dict(atol=2.0 ** -6, rtol=3.2e-2) if dtype == torch.bfloat16 else {}
     torch.library.opcheck(fwd_op, (q, k, v, mask, 0.0, True), {"scale": 0.3}, **tol)
     torch.library.opcheck(fwd_op, (q, k, v), **tol)
 

@@ -248,3 +248,31 @@ def test_sink_in_a_shifted_row(tier):
     ref.backward(go.double())
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_decode_sink_in_shifted_splits(tier):
+    """The decode merge starts each row from its sink at the row's merged shift: rows at -1e9
+    (the sink alone), at -3000 + N(0, 1) with sinks near them (shared mass), and one whose
+    last split alone sits 2^11 above the rest (the other splits weigh nothing), over splits of
+    3000 keys, forward only, against fp64."""
+    q, k, v = make_qkv(1, 2, 2, 4, 3000, 16)
+    sinks = torch.tensor([-2991.0, -2992.5])  # (3000 keys near -3000 sum to about e^9 there)
+    g = torch.Generator().manual_seed(5)
+    mask = torch.randn(4, 3000, generator=g)
+    mask[1] = -1e9
+    mask[2] = -3000.0 + torch.randn(3000, generator=g)
+    mask[3] = -4096.0 + torch.randn(3000, generator=g)
+    mask[3, 2600:] += 2048.0
+    with _testing.policy(decode=1):
+        out, lse = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, sinks=sinks)[:2]
+        assert _testing.last_policy()["decode"]
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4 + mask.double()
+    s = torch.cat([s, sinks.double().view(1, 2, 1, 1).expand(1, 2, 4, 1)], -1)
+    p = torch.softmax(s, -1)
+    assert 0.05 < p[0, :, 2, 3000].min() and p[0, :, 2, 3000].max() < 0.95  # the sink competes
+    ref = p[..., :3000] @ v.double()
+    assert out[0, :, 1].abs().max() < 1e-30
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=64, rtol=0)
+    torch.testing.assert_close(lse[..., 2:].double(), torch.logsumexp(s, -1)[..., 2:],
+                               atol=1e-3, rtol=0)  # (ulp(4096) / 2)

@@ -121,8 +121,8 @@ void fill_variants(AttnParams& p, int64_t window_left, int64_t window_right, boo
 }
 
 // The softmax stats (params.h) of a forward whose logsumexp is `lse`: lse's shape and layout
-// with a trailing (hi, lo, shift) triple.
-constexpr int64_t kStatsPerRow = 3;
+// with a trailing (hi, lo, shift) triple (AttnParams::StatsSlot).
+constexpr int64_t kStatsPerRow = AttnParams::kStatsPerRow;
 at::Tensor stats_like(const at::Tensor& lse) {
   std::vector<int64_t> sizes = lse.sizes().vec(), strides;
   for (const int64_t st : lse.strides()) strides.push_back(kStatsPerRow * st);
@@ -554,9 +554,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flash_attn_varlen_fwd
         l.copy_(vt.sinks.view({Hq, 1}).expand_as(l));
       else
         l.fill_(-std::numeric_limits<float>::infinity());
-      st.select(2, 0).copy_(l * float(M_LOG2E));
-      st.select(2, 1).zero_();
-      st.select(2, 2).zero_();
+      st.select(2, AttnParams::kStatHi).copy_(l * float(M_LOG2E));
+      st.select(2, AttnParams::kStatLo).zero_();
+      st.select(2, AttnParams::kStatShift).zero_();
       continue;
     }
     seg.push_back(segment(base, vl, s, q.element_size()));

@@ -60,15 +60,16 @@ struct AttnParams {
   // with no key to attend to (PyTorch's convention: the backward then sees P = 0 for them).
   float* lse;
   int64_t lse_sb, lse_sh, lse_sl;
-  // Each row's log2-domain logsumexp as an unevaluated sum hi + lo (null: not kept): stats[0]
-  // = hi, its float32 rounding, stats[1] = lo, the rest (-inf and 0 for a row that sees
-  // nothing), both relative to stats[2], the row's float-mask shift M (natural domain;
+  // Each row's log2-domain logsumexp as an unevaluated sum hi + lo (null: not kept): slot kStatHi
+  // = hi, its float32 rounding, kStatLo = lo, the rest (-inf and 0 for a row that sees
+  // nothing), both relative to kStatShift, the row's float-mask shift M (natural domain;
   // cpu/flash_common.h mask_shift: lse = ln(2) * (hi + lo) + M), at stats + b * st_sb +
   // h * st_sh + i * st_sl. The backward's P = 2^(s - hi) * 2^-lo, s relative to M, keeps what
   // lse's float32 rounding loses: ulp(|lse|) in every P (2.4e-4 at |lse| ~ 4000), and for a row
   // at one huge constant log(l) whole. The same value whichever forward path ran.
   float* stats;
   int64_t st_sb, st_sh, st_sl;
+  enum StatsSlot : int { kStatHi = 0, kStatLo = 1, kStatShift = 2, kStatsPerRow = 3 };
 
   // Mask, broadcast to [B, Hq, Lq, Lk] through strides (0 on broadcast dims). Never expanded.
   MaskType mask_type;

@@ -8,6 +8,7 @@ import flashsdpa
 from flashsdpa import _testing
 from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
                       reference_sdpa, torch_sdpa_same_dtype)
+from test_variants import reference  # (fp64, with sinks)
 
 B, H, L, S, D = 2, 3, 41, 67, 32
 
@@ -236,11 +237,9 @@ def test_sink_in_a_shifted_row(tier):
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out = torch.ops.flashsdpa.flash_attn_fwd(*leaves[:3], mask, sinks=leaves[3])[0]
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    s = (ref_leaves[0] @ ref_leaves[1].transpose(-1, -2)) / 4 + mask.double()
-    s = torch.cat([s, ref_leaves[3].view(1, 2, 1, 1).expand(1, 2, 6, 1)], -1)
-    p = torch.softmax(s, -1)
-    assert 0.1 < p[0, :, 2, 40].min() and p[0, :, 2, 40].max() < 0.9  # the sink competes
-    ref = p[..., :40] @ ref_leaves[2]
+    ref, ref_lse = reference(*ref_leaves[:3], sinks=ref_leaves[3], mask=mask)
+    p_sink = (ref_leaves[3].view(2, 1) - ref_lse[0]).exp()[:, 2]
+    assert 0.1 < p_sink.min() and p_sink.max() < 0.9  # the sink competes
     assert out[0, :, 1].abs().max() < 1e-30
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
     go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
@@ -266,13 +265,11 @@ def test_decode_sink_in_shifted_splits(tier):
     with _testing.policy(decode=1):
         out, lse = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask, sinks=sinks)[:2]
         assert _testing.last_policy()["decode"]
-    s = (q.double() @ k.double().transpose(-1, -2)) / 4 + mask.double()
-    s = torch.cat([s, sinks.double().view(1, 2, 1, 1).expand(1, 2, 4, 1)], -1)
-    p = torch.softmax(s, -1)
-    assert 0.05 < p[0, :, 2, 3000].min() and p[0, :, 2, 3000].max() < 0.95  # the sink competes
-    ref = p[..., :3000] @ v.double()
+    ref, ref_lse = reference(q, k, v, sinks=sinks, mask=mask)
+    p_sink = (sinks.double().view(2, 1) - ref_lse[0]).exp()[:, 2]
+    assert 0.05 < p_sink.min() and p_sink.max() < 0.95  # the sink competes
     assert out[0, :, 1].abs().max() < 1e-30
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=64, rtol=0)
-    torch.testing.assert_close(lse[..., 2:].double(), torch.logsumexp(s, -1)[..., 2:],
-                               atol=1e-3, rtol=0)  # (ulp(4096) / 2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=64, rtol=0)
+    torch.testing.assert_close(lse[..., 2:].double(), ref_lse[..., 2:], atol=1e-3,
+                               rtol=0)  # (ulp(4096) / 2)

@@ -134,8 +134,8 @@ struct FlashBackward {
                       int64_t i0, int nq, int64_t j0, int nk, Tile* tile, StepClock& clock) {
     float *s = L.s, *pd = L.pd, *dp = L.dp;
     // (each row's mask shift: the forward's, in its stats; without them none, as row_norm)
-    MaskTile mt{L.mask, L.mask_slot, L.lds, p.stats ? stats_ptr(p, b, h, i0) + 2 : nullptr,
-                p.st_sl};
+    MaskTile mt{L.mask, L.mask_slot, L.lds,
+                p.stats ? stats_ptr(p, b, h, i0) + AttnParams::kStatShift : nullptr, p.st_sl};
     const bool dropout = p.dropout_p > 0.0f;
     const uint64_t bh = uint64_t(b * p.Hq + h);
     const VisTile ct = Visibility::of(p).tile(i0, nq, j0, nk, Ops::MR);

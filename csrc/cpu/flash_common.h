@@ -100,7 +100,8 @@ struct RowNorm {
 inline RowNorm row_norm(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   if (p.stats) {
     const float* st = stats_ptr(p, b, h, i);
-    return {st[0], exp2_poly(-st[1]), st[2]};
+    return {st[AttnParams::kStatHi], exp2_poly(-st[AttnParams::kStatLo]),
+            st[AttnParams::kStatShift]};
   }
   return {*lse_ptr(p, b, h, i) * kLog2e, 1.0f, 0.0f};
 }
@@ -178,7 +179,10 @@ __attribute__((noinline)) inline float mask_max(const AttnParams& p, int64_t b, 
         const float v = ld(c + u);
         lane[u] = v > lane[u] ? v : lane[u];
       }
-    for (; c < n; ++c) lane[0] = ld(c) > lane[0] ? ld(c) : lane[0];
+    for (; c < n; ++c) {
+      const float v = ld(c);
+      lane[0] = v > lane[0] ? v : lane[0];
+    }
   });
   float mx = kNegInf;
   for (int u = 0; u < 16; ++u) mx = lane[u] > mx ? lane[u] : mx;
@@ -368,9 +372,9 @@ inline void finish_row(const AttnParams& p, int64_t b, int64_t h, int64_t i, flo
   if (p.stats) {
     float* st = stats_ptr(p, b, h, i);
     const float hi = m + lg, lg_part = hi - m;
-    st[0] = empty ? kNegInf : hi;
-    st[1] = empty ? 0.0f : (m - (hi - lg_part)) + (lg - lg_part);
-    st[2] = shift;
+    st[AttnParams::kStatHi] = empty ? kNegInf : hi;
+    st[AttnParams::kStatLo] = empty ? 0.0f : (m - (hi - lg_part)) + (lg - lg_part);
+    st[AttnParams::kStatShift] = shift;
   }
   Ops::Row::store_row(acc_row, int(p.Dv), empty ? 0.0f : 1.0f / l, o_row<T>(p, b, h, i));
 }

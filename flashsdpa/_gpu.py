@@ -39,7 +39,10 @@ def fused_attention_overrideable(query, key, value, attn_bias=None, dropout_p=0.
     q, k, v, bias = _triton.to_4d(query, key, value, attn_bias)
     rng = _triton.new_rng_state() if dropout_p > 0 else (0, 0)
     out = _triton.alloc_like_query(query, tuple(query.shape[:-1]) + (value.shape[-1],))
-    _, lse = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng, out=as_4d(out))
+    _, lse, shift = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng,
+                                    out=as_4d(out))
+    if shift is not None:  # aten's autograd keeps the logsumexp alone: its backward unshifted
+        lse = lse + shift
     seed, offset = _rng_tensors(rng)
     return (out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None)
 

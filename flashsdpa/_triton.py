@@ -233,9 +233,10 @@ def _packing(query, lk, packed):
             packed.cu_k)
 
 
-def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv, packed):
+def _constexprs(mask, mask_bool, var, dropout_p, dtype, d, dv, packed, mask_shift):
     """The compile-time arguments the forward and both backward kernels share."""
-    return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, HAS_LO=var.has_lo,
+    return dict(HAS_MASK=mask is not None, MASK_BOOL=mask_bool, MASK_SHIFT=mask_shift,
+                HAS_LO=var.has_lo,
                 HAS_HI=var.has_hi, SOFTCAP=bool(var.softcap), HAS_ALIBI=var.alibi is not None,
                 DROPOUT=dropout_p > 0, UPCAST=_upcast(dtype), PRECISION=_precision(dtype),
                 VARLEN=packed is not None, BLOCK_D=next_pow2(max(16, d)),
@@ -258,9 +259,18 @@ def new_rng_state():
 
 # ---- forward / backward -------------------------------------------------------------------------
 
+def shifts_mask(attn_mask):
+    """Whether the kernels add this mask relative to each row's shift (kernels/common.py,
+    mask_row_shift): float masks."""
+    return attn_mask is not None and attn_mask.dtype != torch.bool
+
+
 def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             rng=(0, 0), out=None, var=None, lse_empty=0.0, packed=None):
-    """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32).
+    """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32,
+    shift). shift: with a float mask (shifts_mask), each row's mask shift [B, Hq, Lq] fp32, and
+    lse the logsumexp minus it (the backward takes both; lse + shift is the row's logsumexp);
+    else None.
 
     Hq must be a multiple of Hkv (GQA). `out` may be given (any layout). var: the call's
     Variants (None: plain, causal from is_causal); lse_empty: the lse of a row that sees no key
@@ -275,16 +285,19 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if out is None:
         out = alloc_like_query(query, (b, hq, lq, dv))
     lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=query.device))
+    shift = _poisoned(torch.empty_like(lse)) if shifts_mask(attn_mask) else None
+    if shift is not None and (out.numel() == 0 or lq == 0 or lk == 0):
+        shift.zero_()  # (the early returns below: no key seen, no shift)
     if out.numel() == 0 or lq == 0:
         lse.zero_()
-        return out, lse
+        return out, lse, shift
     if lk == 0:
         out.zero_()
         if var.sinks is not None:  # the sink alone: lse = sink
             lse.copy_(var.sinks.view(1, hq, 1).expand(b, hq, lq))
         else:
             lse.fill_(lse_empty)
-        return out, lse
+        return out, lse, shift
     fwd, _, configs, _ = _load_kernels(query.device)
     q, k, v = (_for_descriptor(t) for t in (query, key, value))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
@@ -293,22 +306,24 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     seqs, rows, _, sizes, cu_q, cu_k = _packing(query, lk, packed)
     grid = (triton_cdiv(rows, blocks["BLOCK_M"]), seqs * hq)
     fwd.attn_fwd_kernel[grid](
-        q, k, v, mask if mask is not None else q, buf, lse,
+        q, k, v, mask if mask is not None else q, buf, lse, shift if shift is not None else lse,
         var.alibi if var.alibi is not None else lse, var.sinks if var.sinks is not None else lse,
         cu_q, cu_k, *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(buf),
         *(mask.stride() if mask is not None else (0, 0, 0, 0)), *_stride4(lse),
         *var.alibi_strides(), hq, hkv, *sizes, d, dv, *var.scalars(),
         float(scale) * LOG2E, *var.cap_scales(scale), float(lse_empty), float(dropout_p),
         int(rng[0]), int(rng[1]), HAS_SINKS=var.sinks is not None,
-        **_constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed),
-        **blocks, **opts)
-    return _finish(buf, out), lse
+        **_constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed,
+                      shift is not None), **blocks, **opts)
+    return _finish(buf, out), lse, shift
 
 
 def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
-             is_causal=False, scale=None, rng=(0, 0), var=None, packed=None):
+             is_causal=False, scale=None, rng=(0, 0), var=None, packed=None, shift=None):
     """Gradients (dq, dk, dv, dsinks), each laid out like its input (torch.empty_like); dsinks
-    None without sinks. var, packed: the forward's."""
+    None without sinks. var, packed: the forward's; shift: its mask shifts, lse then relative
+    to them (forward); None: lse is the logsumexp and the mask enters unshifted (aten's
+    autograd keeps only the logsumexp)."""
     b, hq, lq, d = query.shape
     hkv, lk, dv = key.shape[1], key.shape[2], value.shape[3]
     if scale is None:
@@ -320,16 +335,22 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
     # rows that see no key: lse -inf (flash-attn's API) is taken as 0, where their P is 0;
     # contiguous like delta, whose strides the kernels read it with
     lse = lse.float().masked_fill(torch.isneginf(lse), 0.0).contiguous()
+    if shift is not None:
+        shift = shift.contiguous()
     # d sink_h = -sum over the rows of head h of P(sink) * delta, P(sink) = exp(sink - lse)
-    dsinks = None if var.sinks is None else \
-        -(torch.exp(var.sinks.view(1, hq, 1) - lse) * delta).sum((0, 2))
+    # (relative to the rows' shifts: exp((sink - shift) - lse))
+    dsinks = None
+    if var.sinks is not None:
+        sink = var.sinks.view(1, hq, 1) - (shift if shift is not None else 0.0)
+        dsinks = -(torch.exp(sink - lse) * delta).sum((0, 2))
     if lq == 0 or lk == 0 or b * hq == 0:
         return dq.zero_(), dk.zero_(), dvv.zero_(), dsinks
     _, bwd, configs, _ = _load_kernels(query.device)
     q, k, v, do = (_for_descriptor(t) for t in (query, key, value, grad_out))
     mask, mask_bool = _mask_4d(attn_mask, b, hq, lq, lk)
     dq_buf, dk_buf, dv_buf = _kernel_target(dq), _kernel_target(dk), _kernel_target(dvv)
-    common = _constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed)
+    common = _constexprs(mask, mask_bool, var, dropout_p, query.dtype, d, dv, packed,
+                         shift is not None)
     seqs, rows, keys, sizes, cu_q, cu_k = _packing(query, lk, packed)
     mstrides = mask.stride() if mask is not None else (0, 0, 0, 0)
     args_in = (cu_q, cu_k, *_stride4(q), *_stride4(k), *_stride4(v), *_stride4(do), *mstrides,
@@ -339,11 +360,12 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
     (kv_blocks, kv_opts), (q_blocks, q_opts) = configs.backward_config(max(d, dv))
     mask_arg = mask if mask is not None else q
     alibi = var.alibi if var.alibi is not None else lse
+    shift_arg = shift if shift is not None else lse
     bwd.attn_bwd_dkdv_kernel[(triton_cdiv(keys, kv_blocks["BLOCK_N"]), seqs * hkv)](
-        q, k, v, mask_arg, do, lse, delta, dk_buf, dv_buf, alibi, *args_in,
+        q, k, v, mask_arg, do, lse, delta, shift_arg, dk_buf, dv_buf, alibi, *args_in,
         *_stride4(dk_buf), *_stride4(dv_buf), *scalars, **common, **kv_blocks, **kv_opts)
     bwd.attn_bwd_dq_kernel[(triton_cdiv(rows, q_blocks["BLOCK_M"]), seqs * hq)](
-        q, k, v, mask_arg, do, lse, delta, dq_buf, alibi, *args_in,
+        q, k, v, mask_arg, do, lse, delta, shift_arg, dq_buf, alibi, *args_in,
         *_stride4(dq_buf), *scalars, **common, **q_blocks, **q_opts)
     return _finish(dq_buf, dq), _finish(dk_buf, dk), _finish(dv_buf, dvv), dsinks
 
@@ -459,17 +481,23 @@ def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
             lse_neg_inf: bool = False, cu_seqlens_q: Optional[torch.Tensor] = None,
             cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-            max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, rng state). With cu_seqlens_q / _k (int32, on the tensors' device, checked by
-    the caller) a packed call: (1, H, total, D) views of flash_attn_varlen_func's tensors, each
-    sequence bottom-right aligned (its semantics), no mask."""
+            max_seqlen_k: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, rng state, mask shift). With a float mask the rows' shifts (B, Hq, Lq) and lse
+    relative to them (forward), else an empty shift and the logsumexp. With cu_seqlens_q / _k
+    (int32, on the tensors' device, checked by the caller) a packed call: (1, H, total, D) views
+    of flash_attn_varlen_func's tensors, each sequence bottom-right aligned (its semantics), no
+    mask."""
     rng = new_rng_state() if dropout_p > 0 else (0, 0)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
                        alibi_slopes, sinks, packed is not None)
-    out, lse = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng, var=var,
-                       lse_empty=-math.inf if lse_neg_inf else 0.0, packed=packed)
-    return out, lse, torch.tensor(rng, dtype=torch.int64)
+    out, lse, shift = forward(query, key, value, attn_mask, dropout_p, is_causal, scale, rng,
+                              var=var, lse_empty=-math.inf if lse_neg_inf else 0.0,
+                              packed=packed)
+    if shift is None:
+        shift = lse.new_empty(0)
+    return out, lse, torch.tensor(rng, dtype=torch.int64), shift
 
 
 def _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
@@ -484,7 +512,8 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left=-1,
     b, hq, lq = query.shape[:3]
     out = alloc_like_query(query, (b, hq, lq, value.shape[3]))
     lse = query.new_empty((b, hq, lq), dtype=torch.float32)
-    return out, lse, torch.empty(2, dtype=torch.int64)
+    shift = lse.new_empty((b, hq, lq) if shifts_mask(attn_mask) else 0)
+    return out, lse, torch.empty(2, dtype=torch.int64), shift
 
 
 @torch.library.custom_op("flashsdpa::triton_attn_bwd", mutates_args=())
@@ -496,14 +525,17 @@ def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
             alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
             cu_seqlens_q: Optional[torch.Tensor] = None,
             cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
-            max_seqlen_k: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dsinks); dsinks is empty without sinks (an op returns no None)."""
+            max_seqlen_k: int = 0, mask_shift: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks (an op returns no None). mask_shift:
+    the forward op's (lse relative to it), None or empty without."""
     rng = tuple(int(x) for x in rng_state.tolist())
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,
                        alibi_slopes, sinks, packed is not None)
+    shift = mask_shift if mask_shift is not None and mask_shift.numel() else None
     dq, dk, dv, dsinks = backward(grad_out, query, key, value, out, lse, attn_mask, dropout_p,
-                                  is_causal, scale, rng, var, packed)
+                                  is_causal, scale, rng, var, packed, shift)
     if dsinks is None:
         dsinks = lse.new_empty(0)
     return dq, dk, dv, dsinks
@@ -512,7 +544,8 @@ def _bwd_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, valu
 @_bwd_op.register_fake
 def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is_causal, scale,
       window_left=-1, window_right=-1, bottom_right=False, softcap=0.0, alibi_slopes=None,
-      sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+      sinks=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+      mask_shift=None):
     dsinks = lse.new_empty(0) if sinks is None else torch.empty_like(sinks, dtype=torch.float32)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dsinks
 
@@ -520,17 +553,17 @@ def _(grad_out, query, key, value, out, lse, rng_state, attn_mask, dropout_p, is
 def _setup_context(ctx, inputs, output):
     query, key, value, attn_mask, dropout_p, is_causal, scale = inputs[:7]
     variants = inputs[7:13]  # window_left .. sinks (lse_neg_inf is the forward's only)
-    out, lse, rng_state = output
-    ctx.save_for_backward(query, key, value, out, lse, rng_state)
+    out, lse, rng_state, shift = output
+    ctx.save_for_backward(query, key, value, out, lse, rng_state, shift)
     ctx.mask, ctx.args, ctx.variants = attn_mask, (dropout_p, is_causal, scale), variants
     ctx.packing = inputs[14:18]  # cu_seqlens_q .. max_seqlen_k
-    ctx.mark_non_differentiable(lse, rng_state)
+    ctx.mark_non_differentiable(lse, rng_state, shift)
 
 
-def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng):
-    query, key, value, out, lse, rng_state = ctx.saved_tensors
+def _backward_rule(ctx, grad_out, _grad_lse, _grad_rng, _grad_shift):
+    query, key, value, out, lse, rng_state, shift = ctx.saved_tensors
     dq, dk, dv, dsinks = _bwd_op(grad_out, query, key, value, out, lse, rng_state, ctx.mask,
-                                 *ctx.args, *ctx.variants, *ctx.packing)
+                                 *ctx.args, *ctx.variants, *ctx.packing, mask_shift=shift)
     sinks = ctx.variants[-1]
     dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
     # one gradient per op argument: query, key, value, then None up to sinks' and after it
@@ -556,7 +589,7 @@ def flash_attn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **varia
     """flash_attn_func on the Triton kernels (validated arguments; variants as in
     scaled_dot_product_attention): (B, L, H, D) layout, bottom-right alignment -> (out
     (B, Lq, H, Dv), lse (B, H, Lq), -inf where a row sees no key and has no sink)."""
-    out, lse, _ = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+    out, lse, _, _ = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
                           float(dropout_p), bool(causal),
                           None if softmax_scale is None else float(softmax_scale),
                           bottom_right=True, lse_neg_inf=True, **variants)
@@ -569,7 +602,7 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     (validated arguments; cu_seqlens int32 on q's device; variants as in
     scaled_dot_product_attention): q (total_q, H, D), k / v (total_k, Hkv, D[v]) -> (out
     (total_q, H, Dv), lse (H, total_q), -inf where a row sees no key and has no sink)."""
-    out, lse, _ = _fwd_op(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), None,
+    out, lse, _, _ = _fwd_op(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), None,
                           float(dropout_p), bool(causal),
                           None if softmax_scale is None else float(softmax_scale),
                           bottom_right=True, lse_neg_inf=True, cu_seqlens_q=cu_seqlens_q,

@@ -10,7 +10,8 @@
       dQ += dS K.
   Packed (varlen) calls: the same kernels over (1, H, total, D) tensors, axis 1 over
       (sequence, head), each program's rows from cu_seqlens (common.sequence), as the forward.
-  DELTA has LSE's layout (the launcher's).
+  DELTA has LSE's layout (the launcher's), and so has SHIFT, the forward's float-mask shifts
+      (MASK_SHIFT; LSE then relative to them, as the forward stores it).
 Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale). The
 band, softcap, ALiBi and the mask as in the forward (common.py); the sinks' gradient,
 -sum_i exp(sink - lse_i) delta_i, is the launcher's (O(Lq) work).
@@ -23,21 +24,34 @@ from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, m
 
 
 @triton.jit
+def row_shift(shift_base, offs_m, stride_lm, Lq, MASK_SHIFT: tl.constexpr):
+    """[BLOCK_M]: the rows' float-mask shifts the forward stored (MASK_SHIFT), else 0."""
+    if MASK_SHIFT:
+        return tl.load(shift_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
+    return tl.zeros([offs_m.shape[0]], tl.float32)
+
+
+@triton.jit
 def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out,
-             mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, dropout_p, seed,
-             rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
-             HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr,
-             HAS_ALIBI: tl.constexpr,
-             DROPOUT: tl.constexpr, PRECISION: tl.constexpr, CHECK: tl.constexpr):
+             mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, mshift, dropout_p,
+             seed, rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr,
+             MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+             SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+             PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """P (dropped out, for dV) and dS of one (q tile, kv tile) pair, both [BLOCK_M, BLOCK_N].
     CHECK=False for interior tiles (see masked_scores); query rows past Lq, zero-filled by the
     descriptors with lse = delta = 0, then contribute exactly 0 to dK, dV and dQ."""
     s, dcap = scaled_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale,
                             cap_in, cap_out, SOFTCAP)
     s = masked_scores(s, offs_m, offs_n, Lq, Lk, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, HAS_ALIBI,
-                      CHECK)
-    p = tl.math.exp2(s - lse2[:, None])  # masked -> 0
+                      diag_hi, slope2, diag, mshift, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI,
+                      HAS_ALIBI, CHECK)
+    # P = 2^(s - lse2) <= 1 (masked -> 0). Given an unshifted float mask (aten's autograd keeps
+    # only the logsumexp), a row at one huge mask value has scores rounded apart from its
+    # logsumexp by far more than 1: capped at 1 (such rows' gradients are off, as PyTorch's,
+    # rather than inf). NaN stays NaN.
+    x = s - lse2[:, None]
+    p = tl.math.exp2(tl.where(x > 0.0, 0.0, x))
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         keep = dropout_keep(seed, rng_offset, rng_row0, offs_m, offs_n, rng_cols, dropout_p)
@@ -50,22 +64,23 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
 
 
 @triton.jit
-def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_base, stride_lm,
-               Lq, Lk, qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-               diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, rng_cols,
-               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
-               HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-               CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
+def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_base, shift_base,
+               stride_lm, Lq, Lk, qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
+               diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, rng_cols,
+               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_SHIFT: tl.constexpr,
+               HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr,
+               HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, UPCAST: tl.constexpr,
+               PRECISION: tl.constexpr, CHECK: tl.constexpr, BLOCK_M: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
     lse2 = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0) * LOG2E
     delta = tl.load(delta_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
+    mshift = row_shift(shift_base, offs_m, stride_lm, Lq, MASK_SHIFT)
     pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                       cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                      dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
-                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
+                      mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK,
+                      MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
@@ -73,7 +88,7 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_b
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DK, DV_, Alibi, CuQ, CuK,
+    Q, K, V, Mask, DO, LSE, DELTA, SHIFT, DK, DV_, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -84,8 +99,8 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
     qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_SHIFT: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -120,7 +135,7 @@ def attn_bwd_dkdv_kernel(
         do_desc = tile_desc(DO + bt * stride_dob + h * stride_doh + q0 * stride_dom, lq, DV,
                             stride_dom, BLOCK_M, BLOCK_DV)
         mask_base = Mask + bt * stride_mb + h * stride_mh
-        row = bt * stride_lb + h * stride_lh + q0 * stride_lm  # LSE and DELTA share the layout
+        row = bt * stride_lb + h * stride_lh + q0 * stride_lm  # LSE, DELTA and SHIFT alike
         rng_row0 = dropout_row0(bt, h, Hq, Lq, q0)
         slope2 = 0.0
         if HAS_ALIBI:
@@ -129,18 +144,18 @@ def attn_bwd_dkdv_kernel(
         for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_M)):
             start_m = tl.where(t < n_lo, a + t * BLOCK_M, c + (t - n_lo) * BLOCK_M)
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
-                                DELTA + row, stride_lm, lq, lk, qk_scale, cap_in, cap_out,
-                                mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                                dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL,
-                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
-                                True, BLOCK_M)
+                                DELTA + row, SHIFT + row, stride_lm, lq, lk, qk_scale, cap_in,
+                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
+                                slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk,
+                                HAS_MASK, MASK_BOOL, MASK_SHIFT, HAS_LO, HAS_HI, SOFTCAP,
+                                HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True, BLOCK_M)
         for start_m in range(b_, c, BLOCK_M):
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
-                                DELTA + row, stride_lm, lq, lk, qk_scale, cap_in, cap_out,
-                                mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                                dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL,
-                                HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
-                                False, BLOCK_M)
+                                DELTA + row, SHIFT + row, stride_lm, lq, lk, qk_scale, cap_in,
+                                cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
+                                slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk,
+                                HAS_MASK, MASK_BOOL, MASK_SHIFT, HAS_LO, HAS_HI, SOFTCAP,
+                                HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False, BLOCK_M)
 
     n_ok = offs_n[:, None] < lk
     rows_k = k0 + offs_n[:, None]
@@ -153,7 +168,7 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk_scale,
              cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-             dropout_p, seed, rng_offset, rng_row0, rng_cols,
+             mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
              HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -163,14 +178,14 @@ def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
     _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                      cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                     dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
+                     mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
                      HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, Mask, DO, LSE, DELTA, DQ, Alibi, CuQ, CuK,
+    Q, K, V, Mask, DO, LSE, DELTA, SHIFT, DQ, Alibi, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -180,8 +195,8 @@ def attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
     qk_scale, cap_in, cap_out, sm_scale, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_SHIFT: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -204,9 +219,10 @@ def attn_bwd_dq_kernel(
                         stride_dom, BLOCK_M, BLOCK_DV)
     q = load_block(q_desc, start_m, UPCAST)
     do = load_block(do_desc, start_m, UPCAST)
-    row = bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm  # LSE and DELTA alike
-    lse2 = tl.load(LSE + row, mask=offs_m < lq, other=0.0) * LOG2E
-    delta = tl.load(DELTA + row, mask=offs_m < lq, other=0.0)
+    row = bt * stride_lb + h * stride_lh + q0 * stride_lm  # LSE, DELTA and SHIFT alike
+    lse2 = tl.load(LSE + row + offs_m * stride_lm, mask=offs_m < lq, other=0.0) * LOG2E
+    delta = tl.load(DELTA + row + offs_m * stride_lm, mask=offs_m < lq, other=0.0)
+    mshift = row_shift(SHIFT + row, offs_m, stride_lm, lq, MASK_SHIFT)
     k_desc = tile_desc(K + bt * stride_kb + hk * stride_kh + k0 * stride_kn, lk, D, stride_kn,
                        BLOCK_N, BLOCK_D)
     v_desc = tile_desc(V + bt * stride_vb + hk * stride_vh + k0 * stride_vn, lk, DV, stride_vn,
@@ -224,15 +240,15 @@ def attn_bwd_dq_kernel(
         start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK,
-                      MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
-                      True, BLOCK_N)
+                      diag_hi, slope2, diag, mshift, dropout_p, seed, rng_offset, rng_row0, Lk,
+                      HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST,
+                      PRECISION, True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk, HAS_MASK,
-                      MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION,
-                      False, BLOCK_N)
+                      diag_hi, slope2, diag, mshift, dropout_p, seed, rng_offset, rng_row0, Lk,
+                      HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST,
+                      PRECISION, False, BLOCK_N)
 
     tl.store(DQ + bt * stride_dqb + h * stride_dqh + (q0 + offs_m[:, None]) * stride_dqm
              + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),

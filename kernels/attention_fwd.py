@@ -13,18 +13,20 @@ query head h to kv head h // (Hq // Hkv). Masks are read through their (possibly
 The variants (softcap, ALiBi, sinks) follow ../shared/api-variants-serving.md: a sink starts
 each row's softmax state at (m, l) = (sink, 1). Interior tiles run without the bound and band
 checks (a middle loop), only the tiles at the band's edges pay for them. Rows with nothing to
-attend to give 0 (and LSE lse_empty).
+attend to give 0 (and LSE lse_empty). A float mask (MASK_SHIFT) enters each row relative to its
+shift (common.mask_row_shift, found by a pass over the row's visible mask values first), stored
+in SHIFT; LSE is then the logsumexp minus the shift (the backward recomputes P from both).
 """
 import triton
 import triton.language as tl
 
-from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, masked_scores,
-                     scaled_scores, sequence, tile_desc)
+from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, mask_row_shift,
+                     masked_scores, scaled_scores, sequence, tile_desc)
 
 
 @triton.jit
 def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, Lq, Lk, qk_scale, cap_in,
-              cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
+              cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, mshift,
               dropout_p, seed, rng_offset, rng_row0, rng_cols,
               HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
               HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
@@ -36,8 +38,8 @@ def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, Lq, Lk, qk_scal
     s, _ = scaled_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale, cap_in,
                          cap_out, SOFTCAP)
     s = masked_scores(s, offs_m, offs_n, Lq, Lk, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, HAS_ALIBI,
-                      CHECK)
+                      diag_hi, slope2, diag, mshift, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI,
+                      HAS_ALIBI, CHECK)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: P = 0
     p = tl.math.exp2(s - m_safe[:, None])
@@ -54,7 +56,7 @@ def _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, Lq, Lk, qk_scal
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, Mask, O, LSE, Alibi, Sinks, CuQ, CuK,
+    Q, K, V, Mask, O, LSE, SHIFT, Alibi, Sinks, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -63,7 +65,8 @@ def attn_fwd_kernel(
     stride_lb, stride_lh, stride_lm, stride_ab, stride_ah,
     Hq, Hkv, Lq, Lk, D, DV, diag_lo, diag_hi, diag,
     qk_scale, cap_in, cap_out, lse_empty, dropout_p, seed, rng_offset,
-    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_SHIFT: tl.constexpr,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SINKS: tl.constexpr,
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, VARLEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -95,30 +98,34 @@ def attn_fwd_kernel(
     slope2 = 0.0
     if HAS_ALIBI:
         slope2 = tl.load(Alibi + b * stride_ab + h * stride_ah) * LOG2E
+    # the band's edge tiles are checked ([a, b) and [c, hi)), the interior ones are not
+    a, b_, c, hi = kv_bounds(start_m, lq, lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
+    mshift = tl.zeros([BLOCK_M], tl.float32)
+    if MASK_SHIFT:
+        mshift = mask_row_shift(mask_base, stride_mm, stride_mn, offs_m, lq, lk, a, hi, diag_lo,
+                                diag_hi, HAS_LO, HAS_HI, BLOCK_N)
     if HAS_SINKS:  # the sink as a key of score `sink` and no value: (m, l) = (sink, 1)
-        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(Sinks + h) * LOG2E
+        m_i = (tl.load(Sinks + h) - mshift) * LOG2E  # (in the row's shift)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # the band's edge tiles are checked ([a, b) and [c, hi)), the interior ones are not
-    a, b_, c, hi = kv_bounds(start_m, lq, lk, diag_lo, diag_hi, HAS_LO, HAS_HI, BLOCK_M, BLOCK_N)
     n_lo = tl.cdiv(b_ - a, BLOCK_N)  # the edge tiles: [a, b_) then [c, hi)
     for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_N)):
         start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
-                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
-                                  rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
-                                  HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
+                                  diag_lo, diag_hi, slope2, diag, mshift, dropout_p, seed,
+                                  rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI,
+                                  SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
         m_i, l_i, acc = _fwd_tile(q, k_desc, v_desc, start_n, m_i, l_i, acc, offs_m, lq, lk,
                                   qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn,
-                                  diag_lo, diag_hi, slope2, diag, dropout_p, seed, rng_offset,
-                                  rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP,
-                                  HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
+                                  diag_lo, diag_hi, slope2, diag, mshift, dropout_p, seed,
+                                  rng_offset, rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI,
+                                  SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -128,8 +135,10 @@ def attn_fwd_kernel(
               + offs_dv[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < DV))
-    tl.store(LSE + bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm, lse,
-             mask=offs_m < lq)
+    row = bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm  # LSE and SHIFT alike
+    tl.store(LSE + row, lse, mask=offs_m < lq)
+    if MASK_SHIFT:
+        tl.store(SHIFT + row, mshift, mask=offs_m < lq)
 
 
 @triton.jit

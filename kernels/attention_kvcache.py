@@ -129,7 +129,7 @@ def attn_kvcache_kernel(
                         Q.dtype.element_ty)
         s, _ = scaled_scores(tl.dot(q, tl.trans(k), input_precision=PRECISION), qk_scale,
                              cap_in, cap_out, SOFTCAP)
-        s = masked_scores(s, i, offs_n, Lq, hi, Q, 0, 0, diag_lo, diag_hi, slope2, diag,
+        s = masked_scores(s, i, offs_n, Lq, hi, Q, 0, 0, diag_lo, diag_hi, slope2, diag, 0.0,
                           False, False, HAS_LO, HAS_HI, HAS_ALIBI, True)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)

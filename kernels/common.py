@@ -9,6 +9,12 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores and LSE move to the log2 domain
+# A row's float-mask shift M (mask_row_shift) is its largest visible mask value when
+# SHIFT_MIN <= |M| <= SHIFT_LIMIT, else 0: the CPU kernels' rule (csrc/cpu/flash_common.h,
+# kShiftMin / kShiftLimit). Next to a -1e9 fill fp32 holds multiples of 64, so scores + mask would
+# round together; mask - M is exact near M and softmax does not change under a per-row constant.
+SHIFT_MIN = tl.constexpr(1024.0)
+SHIFT_LIMIT = tl.constexpr(1099511627776.0)  # 2^40: finfo.min fills stay unshifted, as in PyTorch
 
 
 @triton.jit
@@ -168,13 +174,32 @@ def scaled_scores(s, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def mask_row_shift(mask_ptr, stride_mm, stride_mn, offs_m, Lq, Lk, lo, hi, diag_lo, diag_hi,
+                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M]: each row's float-mask shift (SHIFT_MIN above) from its largest mask value over
+    the keys it sees in [lo, hi) (NaN passed over; rows past Lq and rows that see nothing: 0)."""
+    mx = tl.full([offs_m.shape[0]], float("-inf"), tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        ok = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(
+            offs_m, offs_n, diag_lo, diag_hi, HAS_LO, HAS_HI)
+        mval = tl.load(mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
+                       mask=ok, other=float("-inf")).to(tl.float32)
+        mval = tl.where(ok & (mval == mval), mval, float("-inf"))
+        mx = tl.maximum(mx, tl.max(mval, 1))
+    size = tl.abs(mx)
+    return tl.where((size >= SHIFT_MIN) & (size <= SHIFT_LIMIT), mx, 0.0)
+
+
+@triton.jit
 def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, diag_lo, diag_hi,
-                  slope2, diag, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+                  slope2, diag, mshift, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
                   HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_ALIBI: tl.constexpr,
                   CHECK: tl.constexpr):
     """log2-domain scores (scaled_scores) of a [BLOCK_M, BLOCK_N] tile with ALiBi (HAS_ALIBI:
-    - slope * |i + diag - j|, slope2 = slope * log2(e)) and the user mask added; -inf where a
-    key is not attended (outside the sequence, masked out, or outside the band).
+    - slope * |i + diag - j|, slope2 = slope * log2(e)) and the user mask added, a float mask
+    relative to each row's shift (mshift [BLOCK_M], mask_row_shift; 0.0 adds it as it is); -inf
+    where a key is not attended (outside the sequence, masked out, or outside the band).
 
     CHECK=False is the fast path for interior tiles: the caller guarantees that every key of the
     tile is inside the sequence and visible to every row, so only ALiBi and a user mask apply
@@ -194,7 +219,7 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, dia
         if MASK_BOOL:
             s = tl.where(mval != 0, s, float("-inf"))
         else:
-            s = s + mval.to(tl.float32) * LOG2E
+            s = s + (mval.to(tl.float32) - mshift[:, None]) * LOG2E
     if CHECK:
         s = tl.where(valid, s, float("-inf"))
     return s

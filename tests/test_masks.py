@@ -141,17 +141,13 @@ def _grads_of(fn, q, k, v, mask, causal, go, **kw):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("form", ["rows_LS", "keypad_left_causal", "keypad_window",
-                                  "qdtype_BHLS"])
-def test_rows_at_one_large_mask_value(tier, form, dtype):
-    """A row whose visible keys all carry one large finite mask value (a -1e9 fill; also values
-    a few ulps apart) attends by its scores, as softmax does at any offset and fp64 gives: the
-    kernels add the mask relative to the row's largest visible value. Before, scores + 1e9
-    rounded to multiples of 64 and such rows attended to the wrong keys (fuzz_sdpa --case
-    14031898: error 17.1). With a float32 mask, out and every gradient are bit for bit those of
-    the call whose mask has the offset taken out (mask - row max); any mask, within the rule
-    of the fp64 reference (PyTorch's own error taken on the offset-free mask)."""
+LARGE_MASK_FORMS = ["rows_LS", "keypad_left_causal", "keypad_window", "qdtype_BHLS"]
+
+
+def check_rows_at_one_large_mask_value(form, dtype, sdpa, lse_of, what):
+    """test_rows_at_one_large_mask_value's case `form` on sdpa(q, k, v, attn_mask=, is_causal=,
+    window_size=(left, 0) where the form has a window) -> out; lse_of(q, k, v, mask) -> the
+    rows' logsumexp. (Also test_triton's, on the Triton kernels.)"""
     g = torch.Generator().manual_seed(7)
     B_, H_, L_, S_ = 2, 2, 37, 53
     q, k, v = make_qkv(B_, H_, H_, L_, S_, 32, dtype=dtype)
@@ -178,26 +174,40 @@ def test_rows_at_one_large_mask_value(tier, form, dtype):
     shifted = _shifted(mask, L_, S_, causal or left >= 0, left)  # (window (left, 0): j <= i)
     go = torch.randn(B_, H_, L_, 32, generator=g).to(dtype)
     window = dict(window_size=(left, 0)) if left >= 0 else {}
-    ours = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, mask, causal, go, **window)
+    ours = _grads_of(sdpa, q, k, v, mask, causal, go, **window)
     if mask.dtype == torch.float32:
-        same = _grads_of(flashsdpa.scaled_dot_product_attention, q, k, v, shifted, causal, go,
-                         **window)
+        same = _grads_of(sdpa, q, k, v, shifted, causal, go, **window)
         for name, a, b in zip(("out", "dq", "dk", "dv"), ours, same):
-            assert torch.equal(a, b), f"{tier} {form} {name}: not the offset-free call's bits"
+            assert torch.equal(a, b), f"{what} {form} {name}: not the offset-free call's bits"
     if left >= 0:  # the band, for PyTorch and the reference, in the mask
         shifted = shifted.masked_fill(~_visible(L_, S_, True, left), float("-inf"))
     ref = _grads_of(reference_sdpa, q.double(), k.double(), v.double(), shifted.double(), causal,
                     go.double())
     torch_same = _grads_of(torch_sdpa_same_dtype, q, k, v, shifted.to(q.dtype), causal, go)
     for name, a, t, r in zip(("out", "dq", "dk", "dv"), ours, torch_same, ref):
-        assert_within_rule(a, t, r, dtype, f"{tier} {form} {name}")
+        assert_within_rule(a, t, r, dtype, f"{what} {form} {name}")
     # the logsumexp puts the offset back: -1e9 + the row's own logsumexp (to ulp(1e9))
     if form == "rows_LS":
-        lse = torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)[1]
+        lse = lse_of(q, k, v, mask)
         s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32) + mask.double()
         torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), atol=64, rtol=0)
         torch.testing.assert_close(lse[..., 1:5].double(), torch.logsumexp(s, -1)[..., 1:5],
                                    atol=1e-4 if dtype == torch.float32 else 0.1, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("form", LARGE_MASK_FORMS)
+def test_rows_at_one_large_mask_value(tier, form, dtype):
+    """A row whose visible keys all carry one large finite mask value (a -1e9 fill; also values
+    a few ulps apart) attends by its scores, as softmax does at any offset and fp64 gives: the
+    kernels add the mask relative to the row's largest visible value. Before, scores + 1e9
+    rounded to multiples of 64 and such rows attended to the wrong keys (fuzz_sdpa --case
+    14031898: error 17.1). With a float32 mask, out and every gradient are bit for bit those of
+    the call whose mask has the offset taken out (mask - row max); any mask, within the rule
+    of the fp64 reference (PyTorch's own error taken on the offset-free mask)."""
+    check_rows_at_one_large_mask_value(
+        form, dtype, flashsdpa.scaled_dot_product_attention,
+        lambda q, k, v, mask: torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask)[1], tier)
 
 
 def test_decode_splits_at_different_offsets(tier):

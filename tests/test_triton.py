@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import (DTYPE_IDS, DTYPES, assert_within_rule, check_forward_backward, make_qkv,
-                      reference_sdpa, run_python)
+                      reference_sdpa, run_python, torch_sdpa_same_dtype)
 
 if importlib.util.find_spec("triton") is None:
     pytest.skip("Triton is not installed", allow_module_level=True)
@@ -47,6 +47,7 @@ from flashsdpa._common import decide  # noqa: E402
 import test_variants as variant_tests  # noqa: E402  (its cases, reference and check)
 import test_varlen as varlen_tests  # noqa: E402  (its packed cases and per-sequence check)
 import test_kvcache as kvcache_tests  # noqa: E402  (its caches, reference and checks)
+import test_masks as mask_tests  # noqa: E402  (its large-mask-value cases)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from flashsdpa.kernels import common as kernel_common  # noqa: E402
@@ -155,6 +156,61 @@ def test_fully_masked_rows_give_zero(kind):
     mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
     out = run_case(q, k, v, torch.float32, f"{kind} fully masked rows", attn_mask=mask)
     assert torch.equal(out[:, :, 3].detach().cpu(), torch.zeros_like(out[:, :, 3].cpu()))
+
+
+# ---- rows at one large mask value: each row's mask shift (kernels/common.py, mask_row_shift) ---
+def _triton_sdpa(q, k, v, attn_mask=None, is_causal=False, window_size=None):
+    var = {} if window_size is None else dict(window_left=window_size[0],
+                                              window_right=window_size[1])
+    return _triton.scaled_dot_product_attention(_dev(q), _dev(k), _dev(v), _dev(attn_mask),
+                                                is_causal=is_causal, **var).cpu()
+
+
+def _triton_lse(q, k, v, mask):
+    """The rows' logsumexp: the forward op's lse, relative to its mask shift, plus the shift."""
+    _, lse, _, shift = torch.ops.flashsdpa.triton_attn_fwd(_dev(q), _dev(k), _dev(v), _dev(mask),
+                                                           0.0, False, None)
+    assert shift.shape == lse.shape
+    return (lse + shift).cpu()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("form", mask_tests.LARGE_MASK_FORMS)
+def test_rows_at_one_large_mask_value(form, dtype):
+    """test_masks' case on the Triton kernels: rows whose visible keys all carry a -1e9 fill
+    attend by their scores (before the shift, scores + mask rounded to multiples of 64 (128 in
+    the log2 domain) and such rows attended to the wrong keys); with a float32 mask out and
+    every gradient are bit for bit the offset-free call's; fp64 and the suite's rule; the
+    logsumexp puts the offset back."""
+    mask_tests.check_rows_at_one_large_mask_value(form, dtype, _triton_sdpa, _triton_lse,
+                                                  "triton")
+
+
+def test_sinks_in_shifted_rows():
+    """The sink's score moves with its row's shift: a row at -1e9 on every key attends to its
+    sink alone (out 0); a row at -3000 + N(0, 1) shares its mass with sinks at -2996 and -2997.5
+    as the formula says (the sinks' gradient taken from the logsumexp relative to the shift);
+    forward, gradients and the sinks' gradient against fp64."""
+    q, k, v = make_qkv(1, 2, 2, 6, 40, 16)
+    sinks = torch.tensor([-2996.0, -2997.5])
+    g = torch.Generator().manual_seed(2)
+    mask = torch.randn(6, 40, generator=g)
+    mask[1] = -1e9
+    mask[2] = -3000.0 + torch.randn(40, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = _triton.scaled_dot_product_attention(*(_dev(t) for t in leaves[:3]), _dev(mask),
+                                               sinks=_dev(leaves[3])).cpu()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    ref, ref_lse = variant_tests.reference(*ref_leaves[:3], sinks=ref_leaves[3], mask=mask)
+    p_sink = (ref_leaves[3].view(2, 1) - ref_lse[0]).exp()[:, 2]
+    assert 0.1 < p_sink.min() and p_sink.max() < 0.9  # the sink competes
+    assert out[0, :, 1].abs().max() < 1e-30
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    out.backward(go)
+    ref.backward(go.double())
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
+        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_empty_sequences():
@@ -476,11 +532,12 @@ def opcheck_triton_ops(q, k, v, mask, var):
     differentiable) and of triton_attn_bwd on its results."""
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None),
                           dict(var, lse_neg_inf=True))
-    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None, **var)
+    out, lse, rng, shift = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None,
+                                                                **var)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
             mask, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args,
-                          dict(var, sinks=var["sinks"].detach()))
+                          dict(var, sinks=var["sinks"].detach(), mask_shift=shift))
 
 
 # ---- attention over a KV cache (flash_attn_with_kvcache) -------------------------------------
@@ -926,6 +983,41 @@ def test_registered_overrideable_under_compile(cpu_standin, spy, backend):
 
 
 @needs_interpreter
+def test_registered_overrideable_rows_at_one_large_mask_value(cpu_standin, spy):
+    """aten's op pair on a mask with rows at one huge value: the forward shifts each row (such
+    rows attend by their scores, within the rule of the offset-free mask) and returns the rows'
+    logsumexp; aten's autograd keeps only that, so the backward adds the mask unshifted: P
+    capped at 1 in those rows, every gradient finite, the other rows' dQ within the rule. (At
+    -999997632 = -1e9 + 37 * 64, log2(e) * M lies 40.6 below its fp32 rounding: scores past
+    44 in such a row then round 128 above the row's log2 logsumexp, P = 2^128 = inf uncapped.)"""
+    q, k, v = make_qkv(1, 2, 2, 20, 24, 16, dtype=torch.float32, seed=0)
+    q = q * 32
+    mask = torch.randn(1, 1, 20, 24, generator=torch.Generator().manual_seed(4))
+    big = (1, 3, 7, 9, 15)  # (uncapped, row 1 of head 1 overflows)
+    mask[..., [1, 3, 9, 15], :] = -999997632.0
+    mask[..., 7, :] = -1e9
+    shifted = mask_tests._shifted(mask, 20, 24, False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = _overrideable(*leaves, mask=mask)
+    ref = reference_sdpa(*(t.double().requires_grad_() for t in (q, k, v)), shifted.double())
+    assert_within_rule(out.detach(), torch_sdpa_same_dtype(q, k, v, attn_mask=shifted),
+                       ref.detach(), torch.float32, "aten forward at -1e9")
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+    for t in leaves:
+        assert torch.isfinite(t.grad).all()
+    ref_q = q.double().requires_grad_()
+    ref = reference_sdpa(ref_q, k.double(), v.double(), shifted.double())
+    ref.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).double())
+    same_q = q.clone().requires_grad_()
+    torch_sdpa_same_dtype(same_q, k, v, attn_mask=shifted).backward(
+        torch.randn(out.shape, generator=torch.Generator().manual_seed(5)))
+    rows = [i for i in range(20) if i not in big]
+    assert_within_rule(leaves[0].grad[:, :, rows], same_q.grad[:, :, rows],
+                       ref_q.grad[:, :, rows], torch.float32, "aten dq, the other rows")
+    assert spy["forward"] == 1 and spy["backward"] == 1, spy
+
+
+@needs_interpreter
 def test_registered_overrideable_dropout_regenerates_mask(cpu_standin):
     q, k, v = make_qkv(1, 2, 2, 20, 24, 16, dtype=torch.float32, seed=22)
     torch.manual_seed(11)
@@ -1096,14 +1188,19 @@ def test_triton_ops_opcheck():
     for t in (q, k, v):
         t.requires_grad_()
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_fwd, (q, k, v, mask, 0.0, True, None))
-    out, lse, rng = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None)
+    out, lse, rng, shift = torch.ops.flashsdpa.triton_attn_fwd(q, k, v, mask, 0.0, True, None)
+    assert shift.numel() == 0  # (a bool mask: no shift)
     args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse, rng,
             mask, 0.0, True, None)
     torch.library.opcheck(torch.ops.flashsdpa.triton_attn_bwd, args)
-    # with every variant (the sinks differentiable)
-    opcheck_triton_ops(q, k, v, mask, dict(window_left=5, window_right=2, bottom_right=True,
-                                           softcap=2.0, alibi_slopes=_dev(torch.rand(4)),
-                                           sinks=_dev(torch.randn(4)).requires_grad_()))
+    # with every variant (the sinks differentiable), and a float mask with rows at -1e9 (the
+    # mask shift: an output of the forward op, an argument of the backward op)
+    fmask = _mask("B1LS", 1, 4, 20, 24, torch.float32)
+    fmask[..., 3, :] = -1e9
+    for m in (mask, _dev(fmask)):
+        opcheck_triton_ops(q, k, v, m, dict(window_left=5, window_right=2, bottom_right=True,
+                                            softcap=2.0, alibi_slopes=_dev(torch.rand(4)),
+                                            sinks=_dev(torch.randn(4)).requires_grad_()))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

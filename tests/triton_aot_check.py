@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from flashsdpa.kernels import attention_bwd, attention_fwd, attention_kvcache, configs  # noqa: E402
 
 PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
-            "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "Keep": "u8", "Alibi": "fp32",
+            "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "SHIFT": "fp32", "Keep": "u8", "Alibi": "fp32",
             "Sinks": "fp32", "CuQ": "i32", "CuK": "i32", "Kc": "M", "Vc": "M",
             "BlockTable": "i32", "SeqLens": "i32", "OutP": "fp32", "LseP": "fp32", "Out": "T",
             "Lse": "fp32",
@@ -68,7 +68,7 @@ def main(arch):
     target = GPUTarget("cuda", arch, 32)
     for dtype, d, mask_dtype, (has_lo, has_hi), dropout, variants, packed in CASES:
         common = dict(HAS_MASK=mask_dtype is not None, MASK_BOOL=mask_dtype == "u8",
-                      HAS_LO=has_lo, HAS_HI=has_hi, SOFTCAP=variants, HAS_ALIBI=variants,
+                      MASK_SHIFT=mask_dtype not in (None, "u8"), HAS_LO=has_lo, HAS_HI=has_hi, SOFTCAP=variants, HAS_ALIBI=variants,
                       DROPOUT=dropout, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else
                       "tf32", VARLEN=packed, BLOCK_D=d, BLOCK_DV=d)
         mask_dtype = mask_dtype or dtype
@@ -84,7 +84,8 @@ def main(arch):
               f"packed={packed}: forward, dK/dV, dQ compiled", flush=True)
     # the xpu block shapes (BLOCK_M 128, 16 warps) through the same front end
     compile_kernel(attention_fwd.attn_fwd_kernel, "fp16", "fp16",
-                   dict(HAS_MASK=False, MASK_BOOL=False, HAS_LO=False, HAS_HI=True,
+                   dict(HAS_MASK=False, MASK_BOOL=False, MASK_SHIFT=False, HAS_LO=False,
+                        HAS_HI=True,
                         SOFTCAP=False, HAS_ALIBI=False, HAS_SINKS=False, DROPOUT=False,
                         UPCAST=False, PRECISION="tf32", VARLEN=False, BLOCK_D=128, BLOCK_DV=128,
                         BLOCK_M=128, BLOCK_N=64), dict(num_warps=16, num_stages=2), target)

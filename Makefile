@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz stress sanitize
+.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz fuzz-triton stress sanitize
 
 all: test
 
@@ -53,16 +53,21 @@ test: build
 	$(PY) -m pytest -q tests
 
 # Everything: the suite with every case on the emulated tiers and under the Triton interpreter
-# too (`make test` runs a covering subset there; tests/conftest.py), the long fuzzer run, the
+# too (`make test` runs a covering subset there; tests/conftest.py), the long fuzzer runs, the
 # sanitizer build with its subset, the 5-minute thread stress run.
 test-all: export FLASHSDPA_TESTS = all
-test-all: test fuzz sanitize stress
+test-all: test fuzz fuzz-triton sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
 FUZZ_CASES ?= 10000
 FUZZ_SEED ?= 0
 fuzz: build
 	$(PY) tests/fuzz_sdpa.py --cases $(FUZZ_CASES) --seed $(FUZZ_SEED)
+
+# The same calls on the Triton kernels too (under the interpreter without a GPU, ~0.1 s a case).
+FUZZ_TRITON_CASES ?= 3000
+fuzz-triton: build
+	$(PY) tests/fuzz_sdpa.py --triton --cases $(FUZZ_TRITON_CASES) --seed $(FUZZ_SEED)
 
 # The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental),
 # with only the tiers this CPU runs (SAN_TIERS: what the regular build reports runnable; the

@@ -67,13 +67,16 @@ def _load_kernels(device):
 
 def _descriptor_ready(t):
     """A 4-D tensor a per-(batch, head) 2-D descriptor can read: unit last stride, 16-byte
-    aligned base and batch/head/row strides."""
+    aligned base and batch/head strides (of the dims that index), and a 16-byte aligned row
+    stride, the descriptor's own, even over a single row."""
     es = t.element_size()
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         return False
     if t.data_ptr() % 16 or (t.shape[2] > 1 and t.stride(2) == 0):
         return False
-    return all(t.shape[d] <= 1 or (t.stride(d) * es) % 16 == 0 for d in range(3))
+    if t.shape[2] >= 1 and (t.stride(2) * es) % 16:
+        return False
+    return all(t.shape[d] <= 1 or (t.stride(d) * es) % 16 == 0 for d in range(2))
 
 
 def _for_descriptor(t):

@@ -15,6 +15,10 @@ LOG2E = tl.constexpr(1.4426950408889634)  # scores and LSE move to the log2 doma
 # round together; mask - M is exact near M and softmax does not change under a per-row constant.
 SHIFT_MIN = tl.constexpr(1024.0)
 SHIFT_LIMIT = tl.constexpr(1099511627776.0)  # 2^40: finfo.min fills stay unshifted, as in PyTorch
+# Float-mask values past +-MASK_LIMIT saturate there (csrc/cpu/flash_common.h, kMaskLimit): times
+# log2(e) a finfo.min fill would overflow to -inf, masking a key PyTorch attends (a row whose keys
+# all sit at finfo.min attends uniformly there); -inf and NaN pass unchanged.
+MASK_LIMIT = tl.constexpr(2.35e38)
 
 
 @triton.jit
@@ -219,7 +223,9 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, dia
         if MASK_BOOL:
             s = tl.where(mval != 0, s, float("-inf"))
         else:
-            s = s + (mval.to(tl.float32) - mshift[:, None]) * LOG2E
+            mv = mval.to(tl.float32) - mshift[:, None]
+            lim = tl.where(mv > MASK_LIMIT, MASK_LIMIT, tl.where(mv < -MASK_LIMIT, -MASK_LIMIT, mv))
+            s = s + tl.where(mv == float("-inf"), mv, lim) * LOG2E
     if CHECK:
         s = tl.where(valid, s, float("-inf"))
     return s

@@ -4,6 +4,9 @@ reference.
 
     python tests/fuzz_sdpa.py --cases 10000 --seed 0      # `make fuzz`
     python tests/fuzz_sdpa.py --case 1234                 # one case again, printed
+    python tests/fuzz_sdpa.py --triton --cases 300        # the Triton kernels too (`make
+                                                          # fuzz-triton`; on CPU tensors under
+                                                          # the interpreter without a GPU)
 
 Each case draws shapes (zeros included), dtype, rank 3 or 4, GQA, batch broadcast, strided and
 permuted views, a mask of any form and broadcast shape (bool, float of q's dtype or float32,
@@ -148,6 +151,24 @@ def routed(*args, **kw):
         return F.scaled_dot_product_attention(*args, **kw)
 
 
+def triton_sdpa(q, k, v, **kw):
+    """The Triton kernels (flashsdpa/_triton.py) on the case: on the GPU when there is one, else
+    on CPU tensors under the interpreter (TRITON_INTERPRET=1, set by main). Called only where
+    PyTorch accepts the call (the launchers take validated arguments)."""
+    from flashsdpa import _triton
+    dev = "cuda" if torch.cuda.is_available() else "xpu" if _xpu() else "cpu"
+    mask = kw.pop("attn_mask")
+    on = [t.to(dev) if t is not None else None for t in (q, k, v, mask)]
+    return _triton.scaled_dot_product_attention(*on[:3], attn_mask=on[3], **kw).cpu()
+
+
+def _xpu():
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+TRITON = False  # --triton: the Triton kernels are checked too
+
+
 def compare(name, ours, torch_out, ref, dtype, mag=1.0):
     """'' when ours passes against PyTorch's own result, else why not. mag: the magnitude the
     atol term scales with besides the result's own."""
@@ -231,7 +252,10 @@ def check(c):
         floor = score_bound(c) * c["v"].double().abs().max().item() \
             if gap and c["v"].numel() else 1.0
         terms = cancelling_terms(c) if want[1] is not None else 1.0
-    for name, fn in (("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)):
+    paths = [("routed", routed), ("direct", flashsdpa.scaled_dot_product_attention)]
+    if TRITON:
+        paths.append(("triton", triton_sdpa))
+    for name, fn in paths:
         try:
             got = call(fn, c)
         except Exception as e:
@@ -268,9 +292,14 @@ def main(argv=None):
     ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
     ap.add_argument("--strict", action="store_true",
                     help="the suite's rule also where logits are large (large_logits)")
+    ap.add_argument("--triton", action="store_true",
+                    help="check the Triton kernels too (under the interpreter without a GPU)")
     args = ap.parse_args(argv)
-    global STRICT
-    STRICT = args.strict
+    global STRICT, TRITON
+    STRICT, TRITON = args.strict, args.triton
+    if TRITON and not (torch.cuda.is_available() or _xpu()):
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"  # (read when Triton is first imported)
     seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
     failures = gap = 0
     for seed in seeds:

@@ -213,6 +213,47 @@ def test_sinks_in_shifted_rows():
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)
+def test_finfo_min_mask_rows_attend_as_pytorch(dtype):
+    """A float mask at finfo.min (of its dtype) stays finite: past +-2.35e38 saturated
+    (kernels/common.py MASK_LIMIT, the CPU's kMaskLimit) before the log2(e) factor, which would
+    take it to -inf and mask the key. A row whose only key sits there attends to it (out = v, as
+    PyTorch), a row at finfo.min on every key attends uniformly. (fuzz_sdpa --triton --case 24:
+    rows of 0 where v was due.)"""
+    low = torch.finfo(dtype).min
+    q, k, v = make_qkv(2, 2, 2, 6, 1, 16, dtype=dtype, seed=41)
+    mask = torch.zeros(6, 1, dtype=dtype)
+    mask[1] = low
+    out = run_case(q, k, v, dtype, "one key at finfo.min", attn_mask=mask)
+    torch.testing.assert_close(out[:, :, 1].detach().cpu(), v[:, :, 0])
+    q, k, v = make_qkv(1, 2, 2, 9, 20, 16, dtype=dtype, seed=42)
+    mask = torch.randn(9, 20, generator=torch.Generator().manual_seed(6)).to(dtype)
+    mask[[2, 7]] = low
+    run_case(q, k, v, dtype, "rows at finfo.min", attn_mask=mask)
+
+
+def test_one_key_row_of_unaligned_stride():
+    """K / V of a single row whose row stride is not a multiple of 16 bytes (head dim 33, a
+    broadcast key batch; 3-D fp16 of head dim 1): the tensor descriptor takes the row stride
+    even over one row, so such views are copied with padded rows too (fuzz_sdpa --triton
+    --cases 40: 'stride must be 16-byte aligned')."""
+    q, _, _ = make_qkv(2, 2, 2, 30, 1, 33, dtype=torch.float32, seed=43)
+    _, k, v = make_qkv(1, 1, 1, 30, 1, 33, dtype=torch.float32, seed=44)
+    run_case(q, k, v, torch.float32, "one key, D 33, key batch 1", backward=False,
+             enable_gqa=True)
+    # the backward reads them through descriptors too: with one key P = 1, so dV = the rows'
+    # sum of dO (dK, a rounding residue of dP - delta, is checked by the fuzzer's rule)
+    leaves = [_dev(t).requires_grad_() for t in (q, k, v)]
+    out = _triton.scaled_dot_product_attention(*leaves, enable_gqa=True)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(out.device)
+    out.backward(go)
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
+    torch.testing.assert_close(leaves[2].grad.cpu(), go.cpu().sum((0, 1, 2)).view(1, 1, 1, 33),
+                               atol=1e-5, rtol=1e-5)
+    q, k, v = make_qkv(1, 1, 1, 16, 1, 1, dtype=torch.float16, seed=45)
+    run_case(q[0], k[0], v[0], torch.float16, "3-D, one key, D 1", backward=False)
+
+
 def test_empty_sequences():
     for L, S in ((0, 5), (5, 0)):
         q, k, v = make_qkv(1, 2, 2, L, S, 16, dtype=torch.float32)

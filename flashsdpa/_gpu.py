@@ -41,8 +41,7 @@ def fused_attention_overrideable(query, key, value, attn_bias=None, dropout_p=0.
     out = _triton.alloc_like_query(query, tuple(query.shape[:-1]) + (value.shape[-1],))
     _, lse, shift = _triton.forward(q, k, v, bias, dropout_p, is_causal, scale, rng,
                                     out=as_4d(out))
-    if shift is not None:  # aten's autograd keeps the logsumexp alone: its backward unshifted
-        lse = lse + shift
+    lse = _triton.full_lse(lse, shift)  # (aten's autograd keeps it alone: backward unshifted)
     seed, offset = _rng_tensors(rng)
     return (out, lse, None, None, query.shape[-2], key.shape[-2], seed, offset, None)
 

@@ -271,9 +271,9 @@ def shifts_mask(attn_mask):
 def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
             rng=(0, 0), out=None, var=None, lse_empty=0.0, packed=None):
     """4-D (B, Hq, Lq, D) x (B, Hkv, Lk, D) x (B, Hkv, Lk, Dv) -> (out, lse[B, Hq, Lq] fp32,
-    shift). shift: with a float mask (shifts_mask), each row's mask shift [B, Hq, Lq] fp32, and
-    lse the logsumexp minus it (the backward takes both; lse + shift is the row's logsumexp);
-    else None.
+    shift). shift: with a float mask (shifts_mask), each row's [B, Hq, Lq, 2] fp32 (M, m): its
+    mask shift and the log2-domain max its lse is relative to (kernels/attention_fwd.py; the
+    backward takes both, full_lse the rows' logsumexp); else None.
 
     Hq must be a multiple of Hkv (GQA). `out` may be given (any layout). var: the call's
     Variants (None: plain, causal from is_causal); lse_empty: the lse of a row that sees no key
@@ -288,7 +288,7 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     if out is None:
         out = alloc_like_query(query, (b, hq, lq, dv))
     lse = _poisoned(torch.empty((b, hq, lq), dtype=torch.float32, device=query.device))
-    shift = _poisoned(torch.empty_like(lse)) if shifts_mask(attn_mask) else None
+    shift = _poisoned(lse.new_empty((b, hq, lq, 2))) if shifts_mask(attn_mask) else None
     if shift is not None and (out.numel() == 0 or lq == 0 or lk == 0):
         shift.zero_()  # (the early returns below: no key seen, no shift)
     if out.numel() == 0 or lq == 0:
@@ -321,6 +321,13 @@ def forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return _finish(buf, out), lse, shift
 
 
+def full_lse(lse, shift):
+    """The rows' logsumexp from forward's (lse, shift): lse + ln(2) m + M."""
+    if shift is None or shift.numel() == 0:
+        return lse
+    return lse + shift[..., 1] * math.log(2) + shift[..., 0]
+
+
 def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.0,
              is_causal=False, scale=None, rng=(0, 0), var=None, packed=None, shift=None):
     """Gradients (dq, dk, dv, dsinks), each laid out like its input (torch.empty_like); dsinks
@@ -341,11 +348,16 @@ def backward(grad_out, query, key, value, out, lse, attn_mask=None, dropout_p=0.
     if shift is not None:
         shift = shift.contiguous()
     # d sink_h = -sum over the rows of head h of P(sink) * delta, P(sink) = exp(sink - lse)
-    # (relative to the rows' shifts: exp((sink - shift) - lse))
+    # (with a shift, 2^(((sink - M) log2(e) - m) - lse log2(e)), the forward's rounding of the
+    # sink's score)
     dsinks = None
     if var.sinks is not None:
-        sink = var.sinks.view(1, hq, 1) - (shift if shift is not None else 0.0)
-        dsinks = -(torch.exp(sink - lse) * delta).sum((0, 2))
+        sink = var.sinks.view(1, hq, 1)
+        if shift is None:
+            p_sink = torch.exp(sink - lse)
+        else:
+            p_sink = torch.exp2(((sink - shift[..., 0]) * LOG2E - shift[..., 1]) - lse * LOG2E)
+        dsinks = -(p_sink * delta).sum((0, 2))
     if lq == 0 or lk == 0 or b * hq == 0:
         return dq.zero_(), dk.zero_(), dvv.zero_(), dsinks
     _, bwd, configs, _ = _load_kernels(query.device)
@@ -486,8 +498,8 @@ def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0,
             max_seqlen_k: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, rng state, mask shift). With a float mask the rows' shifts (B, Hq, Lq) and lse
-    relative to them (forward), else an empty shift and the logsumexp. With cu_seqlens_q / _k
+    """(out, lse, rng state, mask shift). With a float mask the rows' (B, Hq, Lq, 2) shifts and
+    lse relative to them (forward; full_lse), else an empty shift and the logsumexp. With cu_seqlens_q / _k
     (int32, on the tensors' device, checked by the caller) a packed call: (1, H, total, D) views
     of flash_attn_varlen_func's tensors, each sequence bottom-right aligned (its semantics), no
     mask."""
@@ -515,7 +527,7 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale, window_left=-1,
     b, hq, lq = query.shape[:3]
     out = alloc_like_query(query, (b, hq, lq, value.shape[3]))
     lse = query.new_empty((b, hq, lq), dtype=torch.float32)
-    shift = lse.new_empty((b, hq, lq) if shifts_mask(attn_mask) else 0)
+    shift = lse.new_empty((b, hq, lq, 2) if shifts_mask(attn_mask) else 0)
     return out, lse, torch.empty(2, dtype=torch.int64), shift
 
 

@@ -10,8 +10,9 @@
       dQ += dS K.
   Packed (varlen) calls: the same kernels over (1, H, total, D) tensors, axis 1 over
       (sequence, head), each program's rows from cu_seqlens (common.sequence), as the forward.
-  DELTA has LSE's layout (the launcher's), and so has SHIFT, the forward's float-mask shifts
-      (MASK_SHIFT; LSE then relative to them, as the forward stores it).
+  DELTA has LSE's layout (the launcher's); SHIFT (MASK_SHIFT) the forward's (M, m) per row,
+      2 floats (attention_fwd.py): the float-mask shift and the log2-domain max LSE is then
+      relative to.
 Every gradient is accumulated in fp32 and written once (dK, dQ scaled by the softmax scale). The
 band, softcap, ALiBi and the mask as in the forward (common.py); the sinks' gradient,
 -sum_i exp(sink - lse_i) delta_i, is the launcher's (O(Lq) work).
@@ -25,16 +26,20 @@ from .common import (LOG2E, dropout_keep, dropout_row0, kv_bounds, load_block, m
 
 @triton.jit
 def row_shift(shift_base, offs_m, stride_lm, Lq, MASK_SHIFT: tl.constexpr):
-    """[BLOCK_M]: the rows' float-mask shifts the forward stored (MASK_SHIFT), else 0."""
+    """([BLOCK_M], [BLOCK_M]): the rows' float-mask shift M and the log2-domain max m their LSE
+    is relative to, as the forward stored them (MASK_SHIFT), else 0 and 0."""
     if MASK_SHIFT:
-        return tl.load(shift_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
-    return tl.zeros([offs_m.shape[0]], tl.float32)
+        ptrs = shift_base + 2 * offs_m * stride_lm
+        return (tl.load(ptrs, mask=offs_m < Lq, other=0.0),
+                tl.load(ptrs + 1, mask=offs_m < Lq, other=0.0))
+    zero = tl.zeros([offs_m.shape[0]], tl.float32)
+    return zero, zero
 
 
 @triton.jit
 def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in, cap_out,
-             mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, mshift, dropout_p,
-             seed, rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr,
+             mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag, mshift, mref,
+             dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK: tl.constexpr,
              MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr,
              SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
              PRECISION: tl.constexpr, CHECK: tl.constexpr):
@@ -46,11 +51,11 @@ def _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
     s = masked_scores(s, offs_m, offs_n, Lq, Lk, mask_base, stride_mm, stride_mn, diag_lo,
                       diag_hi, slope2, diag, mshift, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI,
                       HAS_ALIBI, CHECK)
-    # P = 2^(s - lse2) <= 1 (masked -> 0). Given an unshifted float mask (aten's autograd keeps
-    # only the logsumexp), a row at one huge mask value has scores rounded apart from its
-    # logsumexp by far more than 1: capped at 1 (such rows' gradients are off, as PyTorch's,
-    # rather than inf). NaN stays NaN.
-    x = s - lse2[:, None]
+    # P = 2^((s - m) - lse2) <= 1 (masked -> 0), lse2 relative to m (row_shift; 0 without).
+    # Given an unshifted float mask (aten's autograd keeps only the logsumexp), a row at one huge
+    # mask value has scores rounded apart from its logsumexp by far more than 1: capped at 1
+    # (such rows' gradients are off, as PyTorch's, rather than inf). NaN stays NaN.
+    x = (s - mref[:, None]) - lse2[:, None]
     p = tl.math.exp2(tl.where(x > 0.0, 0.0, x))
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
@@ -76,10 +81,10 @@ def _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, lse_base, delta_b
     do = load_block(do_desc, start_m, UPCAST)
     lse2 = tl.load(lse_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0) * LOG2E
     delta = tl.load(delta_base + offs_m * stride_lm, mask=offs_m < Lq, other=0.0)
-    mshift = row_shift(shift_base, offs_m, stride_lm, Lq, MASK_SHIFT)
+    mshift, mref = row_shift(shift_base, offs_m, stride_lm, Lq, MASK_SHIFT)
     pd, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                       cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                      mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK,
+                      mshift, mref, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK,
                       MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     dv = tl.dot(tl.trans(pd).to(do.dtype), do, dv, input_precision=PRECISION)
     dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk, input_precision=PRECISION)
@@ -144,14 +149,16 @@ def attn_bwd_dkdv_kernel(
         for t in range(0, n_lo + tl.cdiv(hi - c, BLOCK_M)):
             start_m = tl.where(t < n_lo, a + t * BLOCK_M, c + (t - n_lo) * BLOCK_M)
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
-                                DELTA + row, SHIFT + row, stride_lm, lq, lk, qk_scale, cap_in,
+                                DELTA + row, SHIFT + 2 * row, stride_lm, lq, lk, qk_scale,
+                                cap_in,
                                 cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
                                 slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk,
                                 HAS_MASK, MASK_BOOL, MASK_SHIFT, HAS_LO, HAS_HI, SOFTCAP,
                                 HAS_ALIBI, DROPOUT, UPCAST, PRECISION, True, BLOCK_M)
         for start_m in range(b_, c, BLOCK_M):
             dk, dv = _dkdv_tile(q_desc, do_desc, start_m, k, v, dk, dv, offs_n, LSE + row,
-                                DELTA + row, SHIFT + row, stride_lm, lq, lk, qk_scale, cap_in,
+                                DELTA + row, SHIFT + 2 * row, stride_lm, lq, lk, qk_scale,
+                                cap_in,
                                 cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi,
                                 slope2, diag, dropout_p, seed, rng_offset, rng_row0, Lk,
                                 HAS_MASK, MASK_BOOL, MASK_SHIFT, HAS_LO, HAS_HI, SOFTCAP,
@@ -168,7 +175,7 @@ def attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk_scale,
              cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-             mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols,
+             mshift, mref, dropout_p, seed, rng_offset, rng_row0, rng_cols,
              HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_LO: tl.constexpr,
              HAS_HI: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -178,8 +185,8 @@ def _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, Lq, Lk, qk
     v = load_block(v_desc, start_n, UPCAST)                           # [BLOCK_N, BLOCK_DV]
     _, ds = _tile_ds(q, k, v, do, lse2, delta, offs_m, offs_n, Lq, Lk, qk_scale, cap_in,
                      cap_out, mask_base, stride_mm, stride_mn, diag_lo, diag_hi, slope2, diag,
-                     mshift, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK, MASK_BOOL,
-                     HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
+                     mshift, mref, dropout_p, seed, rng_offset, rng_row0, rng_cols, HAS_MASK,
+                     MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, PRECISION, CHECK)
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
@@ -222,7 +229,7 @@ def attn_bwd_dq_kernel(
     row = bt * stride_lb + h * stride_lh + q0 * stride_lm  # LSE, DELTA and SHIFT alike
     lse2 = tl.load(LSE + row + offs_m * stride_lm, mask=offs_m < lq, other=0.0) * LOG2E
     delta = tl.load(DELTA + row + offs_m * stride_lm, mask=offs_m < lq, other=0.0)
-    mshift = row_shift(SHIFT + row, offs_m, stride_lm, lq, MASK_SHIFT)
+    mshift, mref = row_shift(SHIFT + 2 * row, offs_m, stride_lm, lq, MASK_SHIFT)
     k_desc = tile_desc(K + bt * stride_kb + hk * stride_kh + k0 * stride_kn, lk, D, stride_kn,
                        BLOCK_N, BLOCK_D)
     v_desc = tile_desc(V + bt * stride_vb + hk * stride_vh + k0 * stride_vn, lk, DV, stride_vn,
@@ -240,15 +247,15 @@ def attn_bwd_dq_kernel(
         start_n = tl.where(t < n_lo, a + t * BLOCK_N, c + (t - n_lo) * BLOCK_N)
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, mshift, dropout_p, seed, rng_offset, rng_row0, Lk,
-                      HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST,
-                      PRECISION, True, BLOCK_N)
+                      diag_hi, slope2, diag, mshift, mref, dropout_p, seed, rng_offset,
+                      rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
+                      DROPOUT, UPCAST, PRECISION, True, BLOCK_N)
     for start_n in range(b_, c, BLOCK_N):
         dq = _dq_tile(q, do, lse2, delta, k_desc, v_desc, start_n, dq, offs_m, lq, lk,
                       qk_scale, cap_in, cap_out, mask_base, stride_mm, stride_mn, diag_lo,
-                      diag_hi, slope2, diag, mshift, dropout_p, seed, rng_offset, rng_row0, Lk,
-                      HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI, DROPOUT, UPCAST,
-                      PRECISION, False, BLOCK_N)
+                      diag_hi, slope2, diag, mshift, mref, dropout_p, seed, rng_offset,
+                      rng_row0, Lk, HAS_MASK, MASK_BOOL, HAS_LO, HAS_HI, SOFTCAP, HAS_ALIBI,
+                      DROPOUT, UPCAST, PRECISION, False, BLOCK_N)
 
     tl.store(DQ + bt * stride_dqb + h * stride_dqh + (q0 + offs_m[:, None]) * stride_dqm
              + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),

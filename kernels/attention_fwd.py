@@ -14,8 +14,10 @@ The variants (softcap, ALiBi, sinks) follow ../shared/api-variants-serving.md: a
 each row's softmax state at (m, l) = (sink, 1). Interior tiles run without the bound and band
 checks (a middle loop), only the tiles at the band's edges pay for them. Rows with nothing to
 attend to give 0 (and LSE lse_empty). A float mask (MASK_SHIFT) enters each row relative to its
-shift (common.mask_row_shift, found by a pass over the row's visible mask values first), stored
-in SHIFT; LSE is then the logsumexp minus the shift (the backward recomputes P from both).
+shift M (common.mask_row_shift, found by a pass over the row's visible mask values first), and
+the row's state goes out in two parts: SHIFT [.., 2] = (M, m), m the final running max (log2
+domain), and LSE = ln(l), so that lse = LSE + ln(2) m + M and the backward's P = 2^((s - m) -
+log2(l)) loses nothing to the size of m (finfo.min fills: m near -3.4e38).
 """
 import triton
 import triton.language as tl
@@ -129,16 +131,20 @@ def attn_fwd_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    m_ref = tl.where(empty, 0.0, m_i)
+    if MASK_SHIFT:  # the log2-domain max goes to SHIFT, LSE keeps ln(l)
+        m_i = tl.zeros([BLOCK_M], tl.float32)
     lse = tl.where(empty, lse_empty,
                    (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o_ptrs = (O + bt * stride_ob + h * stride_oh + q0 * stride_om + offs_m[:, None] * stride_om
               + offs_dv[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty),
              mask=(offs_m[:, None] < lq) & (offs_dv[None, :] < DV))
-    row = bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm  # LSE and SHIFT alike
+    row = bt * stride_lb + h * stride_lh + (q0 + offs_m) * stride_lm  # SHIFT: 2 floats a row
     tl.store(LSE + row, lse, mask=offs_m < lq)
     if MASK_SHIFT:
-        tl.store(SHIFT + row, mshift, mask=offs_m < lq)
+        tl.store(SHIFT + 2 * row, mshift, mask=offs_m < lq)
+        tl.store(SHIFT + 2 * row + 1, m_ref, mask=offs_m < lq)
 
 
 @triton.jit

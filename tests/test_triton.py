@@ -167,11 +167,11 @@ def _triton_sdpa(q, k, v, attn_mask=None, is_causal=False, window_size=None):
 
 
 def _triton_lse(q, k, v, mask):
-    """The rows' logsumexp: the forward op's lse, relative to its mask shift, plus the shift."""
+    """The rows' logsumexp from the forward op's lse and mask shift (full_lse)."""
     _, lse, _, shift = torch.ops.flashsdpa.triton_attn_fwd(_dev(q), _dev(k), _dev(v), _dev(mask),
                                                            0.0, False, None)
-    assert shift.shape == lse.shape
-    return (lse + shift).cpu()
+    assert shift.shape == lse.shape + (2,)
+    return _triton.full_lse(lse, shift).cpu()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)

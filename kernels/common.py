@@ -154,11 +154,26 @@ def q_bounds(start_n, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr, HAS_HI: tl
 
 # ---- scores: scale or softcap, ALiBi, the mask, the band --------------------------------------
 
+# tanh(y) = y P(y^2) / Q(y^2) for |y| <= TANH_Y_MAX, +-1 in fp32 beyond: csrc/cpu/fit_tanh.py's
+# fit, the CPU kernels' constants (row_ops.h, Softcap::kP / kQ; test_triton checks they agree).
+TANH_Y_MAX = tl.constexpr(9.0)
+TANH_P = (1.0, 0.13381094, 0.0034956688, 2.0610403e-05, 1.33564715e-08)
+TANH_Q = (1.0, 0.4671441, 0.02587729, 0.00032857666, 7.777304e-07)
+_P1, _P2, _P3, _P4 = (tl.constexpr(c) for c in TANH_P[1:])
+_Q1, _Q2, _Q3, _Q4 = (tl.constexpr(c) for c in TANH_Q[1:])
+
+
 @triton.jit
 def tanh(x):
-    """tanh in fp32 from exp2 (no libdevice call: the same code on every backend and the
-    interpreter); exact limits +-1, absolute error a few ulps of 1."""
-    return 1.0 - 2.0 / (tl.math.exp2(x * (2.0 * LOG2E)) + 1.0)
+    """tanh in fp32 by the CPU kernels' rational fit (no libdevice call: the same code on every
+    backend and the interpreter): relative error a few ulps at every |x|, where 1 - 2 / (e^2x + 1)
+    lost digits to cancellation below |x| ~ 1 (softcap 30 over scores of a few: 3e-6 relative).
+    NaN stays NaN."""
+    y = tl.where(x > TANH_Y_MAX, TANH_Y_MAX, tl.where(x < -TANH_Y_MAX, -TANH_Y_MAX, x))
+    u = y * y
+    p = (((_P4 * u + _P3) * u + _P2) * u + _P1) * u + 1.0
+    q = (((_Q4 * u + _Q3) * u + _Q2) * u + _Q1) * u + 1.0
+    return y * p / q
 
 
 @triton.jit

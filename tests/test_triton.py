@@ -396,6 +396,35 @@ def band_tiles(lq, lk, var, BM, BN):
     return kv.cpu(), q.cpu()
 
 
+@triton.jit
+def _tanh_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < N)
+    tl.store(Y + offs, kernel_common.tanh(x), mask=offs < N)
+
+
+def test_tanh_is_the_cpu_fit_and_accurate():
+    """The Triton softcap's tanh (kernels/common.py) is the CPU kernels' rational fit (its
+    constants those of csrc/cpu/row_ops.h's Softcap), within 8 ulps relative at every size
+    from 1e-8 to 12 and exact +-1 beyond; NaN stays NaN. (Its 1 - 2 / (e^2x + 1) before lost
+    digits below |x| ~ 1: fuzz_variants --triton --case 143, softcap 30.)"""
+    import re
+    with open(os.path.join(os.path.dirname(__file__), "..", "csrc", "cpu", "row_ops.h")) as f:
+        src = f.read()
+    for name, ours in (("kP", kernel_common.TANH_P), ("kQ", kernel_common.TANH_Q)):
+        cpu = re.search(name + r"\[5\] = \{([^}]*)\}", src).group(1)
+        assert [float(c.strip().rstrip("f")) for c in cpu.split(",")] == list(ours), name
+    mag = torch.cat([torch.logspace(-8, 0, 400), torch.linspace(1, 12, 400)])
+    x = torch.cat([mag, -mag, torch.tensor([30.0, -1e30, float("nan")])]).float()
+    y = torch.empty_like(x)
+    _tanh_kernel[(triton.cdiv(x.numel(), 256),)](_dev(x), y_dev := _dev(y), x.numel(), BLOCK=256)
+    y = y_dev.cpu()
+    ref = torch.tanh(x.double())
+    ok = (y.double() - ref).abs() <= 8 * 2.0 ** -24 * ref.abs()
+    assert ok[:-1].all(), x[:-1][~ok[:-1]][:5]
+    assert y[-1].isnan()
+
+
 def test_band_tile_ranges_cover_the_band():
     """kernels/common.py's kv_bounds / q_bounds against the visibility rule, element by element:
     the tiles they visit hold every visible (row, key) pair, the interior tiles (run without

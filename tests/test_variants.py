@@ -58,7 +58,9 @@ def reference(q, k, v, *, causal=False, window=(-1, -1), bottom_right=False, sof
     if sinks is not None:
         s = torch.cat([s, sinks.to(dtype).view(1, H, 1, 1).expand(B, H, Lq, 1)], -1)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    # P by softmax (from the row max), not exp(s - lse): a row at one huge offset (finfo.min
+    # on every key) has a logsumexp that absorbed log(Lk) even in fp64, and P = 1 per key from it
+    p = torch.softmax(s, -1)
     p = torch.where(torch.isnan(p), torch.zeros_like(p), p)  # rows that see nothing: 0
     if sinks is not None:
         p = p[..., :Lk]
@@ -403,3 +405,15 @@ def test_opcheck_variant_ops():
     kwargs = dict(window_left=3, window_right=0, bottom_right=True, softcap=1.0,
                   alibi_slopes=torch.rand(2), sinks=sinks, lse_neg_inf=True)
     torch.library.opcheck(torch.ops.flashsdpa.flash_attn_fwd.default, args, kwargs)
+
+
+def test_reference_rows_at_finfo_min_attend_uniformly():
+    """The fp64 reference's P comes from softmax (the row max), not exp(s - lse): a row at
+    finfo.min on every key attends uniformly, as PyTorch and the kernels do (its logsumexp
+    absorbed log(Lk) even in fp64, so exp(s - lse) gave P = 1 per key, Lk times the mean:
+    fuzz_variants --case 511 failed the kernels' correct rows against it)."""
+    q, k, v = make_qkv(1, 2, 2, 4, 31, 16, dtype=torch.float64)
+    mask = torch.zeros(4, 31, dtype=torch.float64)
+    mask[2] = torch.finfo(torch.float32).min
+    out, _ = reference(q, k, v, mask=mask, alibi=torch.tensor([0.3, 0.1]))
+    torch.testing.assert_close(out[:, :, 2], v.mean(2))

@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz fuzz-triton fuzz-variants stress sanitize
+.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz fuzz-triton fuzz-variants fuzz-kvcache stress sanitize
 
 all: test
 
@@ -56,7 +56,7 @@ test: build
 # too (`make test` runs a covering subset there; tests/conftest.py), the long fuzzer runs, the
 # sanitizer build with its subset, the 5-minute thread stress run.
 test-all: export FLASHSDPA_TESTS = all
-test-all: test fuzz fuzz-triton fuzz-variants sanitize stress
+test-all: test fuzz fuzz-triton fuzz-variants fuzz-kvcache sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
 FUZZ_CASES ?= 10000
@@ -76,6 +76,11 @@ FUZZ_VARIANT_TRITON_CASES ?= 1000
 fuzz-variants: build
 	$(PY) tests/fuzz_variants.py --cases $(FUZZ_VARIANT_CASES) --seed $(FUZZ_SEED)
 	$(PY) tests/fuzz_variants.py --triton --cases $(FUZZ_VARIANT_TRITON_CASES) --seed $(FUZZ_SEED)
+
+# The KV-cache fuzzer (tests/fuzz_kvcache.py): flash_attn_with_kvcache, paged / float8 / append.
+FUZZ_KVCACHE_CASES ?= 5000
+fuzz-kvcache: build
+	$(PY) tests/fuzz_kvcache.py --cases $(FUZZ_KVCACHE_CASES) --seed $(FUZZ_SEED)
 
 # The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental),
 # with only the tiers this CPU runs (SAN_TIERS: what the regular build reports runnable; the

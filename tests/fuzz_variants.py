@@ -11,6 +11,7 @@ one key has dS = 0 exactly, and no summation order reaches that floor reliably).
     python tests/fuzz_variants.py --cases 2000 --seed 0            # `make fuzz-variants`
     python tests/fuzz_variants.py --triton --cases 500             # the Triton kernels too
     python tests/fuzz_variants.py --case 1234                      # one case again, printed
+    python tests/fuzz_variants.py --emulated amx --cases 300       # an emulated tier's build
 
 PyTorch has no kernel for most of these, so there is no "PyTorch raises" verdict: every drawn
 call is valid, and an exception is a failure. A crash kills the process: run it in a subprocess
@@ -197,7 +198,17 @@ def main(argv=None):
     ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
     ap.add_argument("--triton", action="store_true",
                     help="check the Triton kernels too (under the interpreter without a GPU)")
+    ap.add_argument("--emulated", default=None, metavar="TIER",
+                    help="the CPU kernels through this tier's SIMDe-emulated build (e.g. amx)")
     args = ap.parse_args(argv)
+    from flashsdpa import _testing
+    # every output and scratch buffer of the CPU kernels starts as NaN: what a kernel leaves
+    # unwritten, or reads before writing, fails the verdict
+    with _testing.poisoned(), _testing.emulated(args.emulated):
+        return _run(args)
+
+
+def _run(args):
     global TRITON
     TRITON = args.triton
     if TRITON and not torch.cuda.is_available():

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -85,3 +86,34 @@ def test_fuzz_cases_the_triton_kernels_failed(seed):
         assert fuzz_sdpa.run_case(seed) == ""
     finally:
         fuzz_sdpa.TRITON = False
+
+
+def test_fuzz_kvcache_short_run():
+    """The KV-cache fuzzer (tests/fuzz_kvcache.py) on the CPU kernels; `make fuzz-kvcache` runs
+    the long one."""
+    _short_run(cases=200, script="fuzz_kvcache.py")
+
+
+def test_the_kvcache_fuzzer_can_fail(monkeypatch):
+    """A 1% error in the output, or one byte of a cache changed outside the new slots, must be
+    caught by the KV-cache fuzzer's verdicts."""
+    sys.path.insert(0, HERE)
+    import flashsdpa
+    import fuzz_kvcache
+    real = flashsdpa.flash_attn_with_kvcache
+
+    def scaled(*a, **kw):
+        out, lse = real(*a, **kw)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(flashsdpa, "flash_attn_with_kvcache", scaled)
+    assert [s for s in range(20) if fuzz_kvcache.run_case(s)], "a 1% output error went unnoticed"
+
+    def scribbles(q, k_cache, v_cache, *a, **kw):
+        res = real(q, k_cache, v_cache, *a, **kw)
+        k_cache.view(torch.uint8).view(-1)[-1] ^= 1  # the last byte: a spare block or row
+        return res
+
+    monkeypatch.setattr(flashsdpa, "flash_attn_with_kvcache", scribbles)
+    failed = [fuzz_kvcache.run_case(s) for s in range(20)]
+    assert all(f.startswith("append:") for f in failed), failed

@@ -1,0 +1,241 @@
+"""Differential fuzzer of flash_attn_with_kvcache on the CPU kernels: random batches of
+sequences with their own cached lengths (empty ones too), contiguous or paged caches (block
+sizes from 1 to 256, tables in any order, spare blocks and unused rows NaN), bf16 / fp16 / fp32
+or float8_e4m3fn caches (scalar or per-kv-head scales), the in-place append of new keys /
+values, decode / speculative / chunked-prefill query counts, GQA, Dv != D and every variant
+(bottom-right causal, windows, softcap, ALiBi, sinks). Each call against the fp64 reference over
+the sequence's keys (dequantised; the appended ones as the append quantises them), under
+fuzz_sdpa's verdict with the same formulas in q's dtype as the baseline; its logsumexp close to
+the reference's; and the caches after the call equal to the caches before with exactly the new
+slots written (bit for bit).
+
+    python tests/fuzz_kvcache.py --cases 2000 --seed 0            # `make fuzz-kvcache`
+    python tests/fuzz_kvcache.py --case 1234                      # one case again, printed
+    python tests/fuzz_kvcache.py --emulated avx512_bf16 --cases 300
+
+Every drawn call is valid: an exception is a failure. A crash kills the process: run it in a
+subprocess (tests/test_fuzz.py does) and rerun the case printed last with --case.
+"""
+import argparse
+import random
+import sys
+
+import torch
+
+import flashsdpa
+import fuzz_sdpa
+import test_variants
+
+E4M3 = torch.float8_e4m3fn
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def quantize(x, scale):
+    """What the append stores into a float8 cache: round-to-nearest(x / scale), saturated to
+    +-448 (scale: one element or one per kv head, x's dim -2)."""
+    return (x.float() / scale.view(-1, 1)).clamp(-448, 448).to(E4M3)
+
+
+def draw(seed):
+    r = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    dtype = r.choice(DTYPES)
+    fp8 = r.random() < 0.25
+    B, Hkv = r.choice([1, 1, 2, 3, 4]), r.choice([1, 2, 3])
+    Hq = Hkv * r.choice([1, 1, 2, 4, 8])
+    D = r.choice([16, 32, 64, 80, 128])
+    Dv = D if r.random() < 0.8 else r.choice([16, 24, 64])
+    lq = r.choice([1, 1, 1, 2, 4, 7, 16, 17, 40])
+    n_new = lq if r.random() < 0.6 else 0
+    lcache = r.choice([1, 17, 64, 150, 300, 1100])
+    lcache = max(lcache, n_new + 1)
+    seqlens = [r.randrange(0, lcache - n_new + 1) if r.random() < 0.8 else lcache - n_new
+               for _ in range(B)]
+    q = torch.randn(B, lq, Hq, D, generator=g).to(dtype)
+    kc = torch.randn(B, lcache, Hkv, D, generator=g) * r.choice([1.0, 3.0])
+    vc = torch.randn(B, lcache, Hkv, Dv, generator=g)
+    scales = None
+    if fp8:
+        per_head = r.random() < 0.5
+        scales = []
+        for cache in (kc, vc):
+            amax = cache.abs().amax(dim=(0, 1, 3)) / 448
+            scales.append(amax if per_head else amax.max().reshape(1))
+        kc, vc = quantize(kc, scales[0]), quantize(vc, scales[1])
+    else:
+        kc, vc = kc.to(dtype), vc.to(dtype)
+    # rows past each sequence's keys: NaN (never read)
+    for b, n in enumerate(seqlens):
+        if not fp8:
+            kc[b, n:] = float("nan")
+            vc[b, n:] = float("nan")
+    k_new = torch.randn(B, n_new, Hkv, D, generator=g).to(dtype) if n_new else None
+    v_new = torch.randn(B, n_new, Hkv, Dv, generator=g).to(dtype) if n_new else None
+    kw = {}
+    if r.random() < 0.6:
+        kw["causal"] = True
+    if r.random() < 0.3:
+        kw["window"] = (r.choice([-1, 0, 5, 60, 500]), r.choice([-1, 0, 3]))
+    if r.random() < 0.25:
+        kw["softcap"] = r.choice([1.0, 5.0, 30.0])
+    if r.random() < 0.25:
+        kw["alibi"] = torch.rand(*((B, Hq) if r.random() < 0.5 else (Hq,)), generator=g) * 0.3
+    if r.random() < 0.25:
+        kw["sinks"] = torch.randn(Hq, generator=g) * 2
+    block = r.choice([None, None, 1, 3, 5, 16, 32, 64, 256])
+    return dict(q=q, kc=kc, vc=vc, k_new=k_new, v_new=v_new, seqlens=seqlens, kw=kw,
+                block=block, scales=scales, dtype=dtype, table_seed=seed + 1)
+
+
+def describe(c):
+    kc, q = c["kc"], c["q"]
+    parts = [f"q{tuple(q.shape)} cache{tuple(kc.shape)} v{tuple(c['vc'].shape)[-1]}",
+             str(c["dtype"]).replace("torch.", ""), f"seqlens={c['seqlens']}"]
+    if c["scales"] is not None:
+        parts.append(f"e4m3 scales{tuple(c['scales'][0].shape)}")
+    if c["k_new"] is not None:
+        parts.append(f"append {c['k_new'].shape[1]}")
+    if c["block"]:
+        parts.append(f"paged {c['block']}")
+    for key, val in c["kw"].items():
+        if isinstance(val, torch.Tensor):
+            val = f"{tuple(val.shape)}"
+        parts.append(f"{key}={val}")
+    return " ".join(parts)
+
+
+def paged(cache, block, seed):
+    """(pool, table): the cache's rows in blocks of `block` rows in a shuffled pool with three
+    spare blocks; every row the sequences' keys do not fill, NaN (0x7f bytes for float8)."""
+    B, L = cache.shape[:2]
+    per_seq = -(-L // block)
+    n_blocks = B * per_seq + 3
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
+    table = order[:B * per_seq].view(B, per_seq).to(torch.int32)
+    pool = torch.empty((n_blocks, block) + tuple(cache.shape[2:]), dtype=cache.dtype)
+    pool.view(torch.uint8).fill_(0x7F) if cache.dtype == E4M3 else pool.fill_(float("nan"))
+    for b in range(B):
+        for i in range(per_seq):
+            rows = cache[b, i * block:(i + 1) * block]
+            pool[table[b, i], :rows.shape[0]] = rows
+    return pool, table
+
+
+def rows_of(pool, table, b, n):
+    """Sequence b's first n rows of a paged pool."""
+    return pool[table[b].long()].flatten(0, 1)[:n]
+
+
+def expected(c, dtype):
+    """Per sequence: (out, lse) of the reference over its keys (cached then new; float8 ones
+    dequantised, the new ones as the append quantises them), in `dtype`."""
+    outs, lses = [], []
+    kw, scales = c["kw"], c["scales"]
+    for b, n in enumerate(c["seqlens"]):
+        keys, vals = c["kc"][b, :n], c["vc"][b, :n]
+        if c["k_new"] is not None:
+            new_k, new_v = c["k_new"][b], c["v_new"][b]
+            if scales is not None:
+                new_k, new_v = quantize(new_k, scales[0]), quantize(new_v, scales[1])
+            keys, vals = torch.cat([keys, new_k]), torch.cat([vals, new_v])
+        if scales is not None:
+            keys = keys.double() * scales[0].double().view(-1, 1)
+            vals = vals.double() * scales[1].double().view(-1, 1)
+        kw_b = dict(kw)
+        if kw.get("alibi") is not None and kw["alibi"].dim() == 2:
+            kw_b["alibi"] = kw["alibi"][b]
+        o, lse = test_variants.reference(c["q"][b:b + 1].transpose(1, 2).to(dtype),
+                                         keys[None].transpose(1, 2).to(dtype),
+                                         vals[None].transpose(1, 2).to(dtype),
+                                         bottom_right=True, dtype=dtype, **kw_b)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(c):
+    """'' when the case passes, else what failed."""
+    dtype, kw, scales = c["dtype"], c["kw"], c["scales"]
+    want, want_lse = expected(c, torch.float64)
+    base, _ = expected(c, dtype)
+    kc, vc, table = c["kc"].clone(), c["vc"].clone(), None
+    if c["block"]:
+        (kc, table), (vc, _) = paged(kc, c["block"], c["table_seed"]), \
+            paged(vc, c["block"], c["table_seed"])
+    before = (kc.clone(), vc.clone())
+    try:
+        out, lse = flashsdpa.flash_attn_with_kvcache(
+            c["q"], kc, vc, c["k_new"], c["v_new"], torch.tensor(c["seqlens"], dtype=torch.int32),
+            table, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+            softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
+            k_scale=None if scales is None else scales[0],
+            v_scale=None if scales is None else scales[1], return_lse=True)
+    except Exception as e:  # noqa: BLE001  (every drawn call is valid)
+        return f"raised {type(e).__name__}: {e}"
+    why = fuzz_sdpa.compare("out", out, base.to(out.dtype), want, dtype)
+    if why:
+        return why
+    seen = torch.isfinite(want_lse)  # (rows that see no key and have no sink: -inf)
+    if not torch.equal(seen, torch.isfinite(lse)):
+        return "lse: finite where the reference's is not, or the other way"
+    tol = 1e-4 if dtype == torch.float32 and scales is None else 3e-2
+    err = (lse.double()[seen] - want_lse[seen]).abs()
+    if err.numel() and err.max() > tol * max(1.0, want_lse[seen].abs().max().item()):
+        return f"lse: error {err.max().item():.3g}"
+    # the append: exactly the new slots written, everything else bit for bit as before
+    return appended_exactly(c, before, (kc, vc), table)
+
+
+def appended_exactly(c, before, after, table):
+    for side, (old, new) in enumerate(zip(before, after)):
+        want = old.clone()
+        fresh = c["k_new"] if side == 0 else c["v_new"]
+        if fresh is not None:
+            if c["scales"] is not None:
+                fresh = quantize(fresh, c["scales"][side])
+            for b, n in enumerate(c["seqlens"]):
+                for t in range(fresh.shape[1]):
+                    pos = n + t
+                    if table is None:
+                        want[b, pos] = fresh[b, t]
+                    else:
+                        blk = int(table[b, pos // c["block"]])
+                        want[blk, pos % c["block"]] = fresh[b, t]
+        if not torch.equal(new.view(torch.uint8), want.view(torch.uint8)):
+            return f"append: {'kv'[side]}_cache differs from the expected bytes"
+    return ""
+
+
+def run_case(seed):
+    return check(draw(seed))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0, help="first case's seed")
+    ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
+    ap.add_argument("--emulated", default=None, metavar="TIER",
+                    help="the CPU kernels through this tier's SIMDe-emulated build")
+    args = ap.parse_args(argv)
+    from flashsdpa import _testing
+    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
+    failures = 0
+    # every output and scratch buffer of the kernels starts as NaN (unwritten memory shows)
+    with _testing.poisoned(), _testing.emulated(args.emulated):
+        for seed in seeds:
+            c = draw(seed)
+            if args.case is not None:
+                print(describe(c), flush=True)
+            else:  # the last line printed names the case a crash happened in
+                print(f"case {seed}", end="\r", flush=True)
+            why = check(c)
+            if why:
+                failures += 1
+                print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
+    print(f"\n{len(seeds)} cases, {failures} failures", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 
 SIMDE_HEADER := /usr/include/simde/x86/avx512.h
 
-.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz fuzz-triton fuzz-variants fuzz-kvcache stress sanitize
+.PHONY: all test test-all bench build deps simde peak bench-all bench-avx2-host readme-table hw-check clean fuzz fuzz-triton fuzz-variants fuzz-kvcache fuzz-varlen stress sanitize
 
 all: test
 
@@ -56,7 +56,7 @@ test: build
 # too (`make test` runs a covering subset there; tests/conftest.py), the long fuzzer runs, the
 # sanitizer build with its subset, the 5-minute thread stress run.
 test-all: export FLASHSDPA_TESTS = all
-test-all: test fuzz fuzz-triton fuzz-variants fuzz-kvcache sanitize stress
+test-all: test fuzz fuzz-triton fuzz-variants fuzz-kvcache fuzz-varlen sanitize stress
 
 # The differential fuzzer against PyTorch (tests/fuzz_sdpa.py), long run; FUZZ_CASES, FUZZ_SEED.
 FUZZ_CASES ?= 10000
@@ -81,6 +81,14 @@ fuzz-variants: build
 FUZZ_KVCACHE_CASES ?= 5000
 fuzz-kvcache: build
 	$(PY) tests/fuzz_kvcache.py --cases $(FUZZ_KVCACHE_CASES) --seed $(FUZZ_SEED)
+
+# The packed-batch fuzzer (tests/fuzz_varlen.py): CPU kernels, then the Triton packed launch
+# (under the interpreter without a GPU, ~4 s a case).
+FUZZ_VARLEN_CASES ?= 3000
+FUZZ_VARLEN_TRITON_CASES ?= 200
+fuzz-varlen: build
+	$(PY) tests/fuzz_varlen.py --cases $(FUZZ_VARLEN_CASES) --seed $(FUZZ_SEED)
+	$(PY) tests/fuzz_varlen.py --triton --cases $(FUZZ_VARLEN_TRITON_CASES) --seed $(FUZZ_SEED)
 
 # The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental),
 # with only the tiers this CPU runs (SAN_TIERS: what the regular build reports runnable; the

@@ -117,3 +117,9 @@ def test_the_kvcache_fuzzer_can_fail(monkeypatch):
     monkeypatch.setattr(flashsdpa, "flash_attn_with_kvcache", scribbles)
     failed = [fuzz_kvcache.run_case(s) for s in range(20)]
     assert all(f.startswith("append:") for f in failed), failed
+
+
+def test_fuzz_varlen_short_run():
+    """The packed-batch fuzzer (tests/fuzz_varlen.py) on the CPU kernels; `make fuzz-varlen`
+    runs the long one, the Triton kernels' packed launch too."""
+    _short_run(cases=100, script="fuzz_varlen.py")

@@ -16,7 +16,6 @@ slots written (bit for bit).
 Every drawn call is valid: an exception is a failure. A crash kills the process: run it in a
 subprocess (tests/test_fuzz.py does) and rerun the case printed last with --case.
 """
-import argparse
 import random
 import sys
 
@@ -24,6 +23,7 @@ import torch
 
 import flashsdpa
 import fuzz_sdpa
+import fuzz_variants
 import test_variants
 
 E4M3 = torch.float8_e4m3fn
@@ -175,13 +175,10 @@ def check(c):
     why = fuzz_sdpa.compare("out", out, base.to(out.dtype), want, dtype)
     if why:
         return why
-    seen = torch.isfinite(want_lse)  # (rows that see no key and have no sink: -inf)
-    if not torch.equal(seen, torch.isfinite(lse)):
-        return "lse: finite where the reference's is not, or the other way"
-    tol = 1e-4 if dtype == torch.float32 and scales is None else 3e-2
-    err = (lse.double()[seen] - want_lse[seen]).abs()
-    if err.numel() and err.max() > tol * max(1.0, want_lse[seen].abs().max().item()):
-        return f"lse: error {err.max().item():.3g}"
+    why = fuzz_variants.lse_verdict(
+        "kvcache", lse, want_lse, 1e-4 if dtype == torch.float32 and scales is None else 3e-2)
+    if why:
+        return why
     # the append: exactly the new slots written, everything else bit for bit as before
     return appended_exactly(c, before, (kc, vc), table)
 
@@ -211,30 +208,7 @@ def run_case(seed):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0, help="first case's seed")
-    ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
-    ap.add_argument("--emulated", default=None, metavar="TIER",
-                    help="the CPU kernels through this tier's SIMDe-emulated build")
-    args = ap.parse_args(argv)
-    from flashsdpa import _testing
-    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
-    failures = 0
-    # every output and scratch buffer of the kernels starts as NaN (unwritten memory shows)
-    with _testing.poisoned(), _testing.emulated(args.emulated):
-        for seed in seeds:
-            c = draw(seed)
-            if args.case is not None:
-                print(describe(c), flush=True)
-            else:  # the last line printed names the case a crash happened in
-                print(f"case {seed}", end="\r", flush=True)
-            why = check(c)
-            if why:
-                failures += 1
-                print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
-    print(f"\n{len(seeds)} cases, {failures} failures", flush=True)
-    return 1 if failures else 0
+    return fuzz_sdpa.main_of(sys.modules[__name__], argv, "emulated")
 
 
 if __name__ == "__main__":

@@ -285,35 +285,72 @@ def check(c):
     return ""
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# ---- the fuzzers' command line and loop (this one's and fuzz_variants / _kvcache / _varlen's) ---
+_FLAGS = {
+    "strict": dict(action="store_true",
+                   help="the suite's rule also where logits are large (large_logits)"),
+    "triton": dict(action="store_true",
+                   help="check the Triton kernels too (under the interpreter without a GPU)"),
+    "emulated": dict(default=None, metavar="TIER",
+                     help="the CPU kernels through this tier's SIMDe-emulated build"),
+}
+
+
+def parse_args(doc, argv, *flags):
+    """--cases / --seed / --case and the given flags (_FLAGS). --triton without a GPU sets
+    TRITON_INTERPRET=1 (read when Triton is first imported)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--cases", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0, help="first case's seed")
     ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
-    ap.add_argument("--strict", action="store_true",
-                    help="the suite's rule also where logits are large (large_logits)")
-    ap.add_argument("--triton", action="store_true",
-                    help="check the Triton kernels too (under the interpreter without a GPU)")
+    for flag in flags:
+        ap.add_argument(f"--{flag}", **_FLAGS[flag])
     args = ap.parse_args(argv)
+    if getattr(args, "triton", False) and not (torch.cuda.is_available() or _xpu()):
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+    return args
+
+
+def run_seeds(args, draw, check, describe, count=None, poison=False):
+    """Each case's verdict, check(draw(seed)), printed when it fails; the last line printed
+    names the case a crash happened in (--case: the case described first). poison: the CPU
+    kernels' outputs and scratch start as NaN (unwritten memory shows); args.emulated (when the
+    fuzzer takes it): their emulated build. -> (cases, failures, sum of count(case))."""
+    from flashsdpa import _testing
+    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
+    failures = counted = 0
+    with _testing.poisoned(poison), _testing.emulated(getattr(args, "emulated", None)):
+        for seed in seeds:
+            c = draw(seed)
+            if args.case is not None:
+                print(describe(c), flush=True)
+            else:
+                print(f"case {seed}", end="\r", flush=True)
+            counted += count(c) if count else 0
+            why = check(c)
+            if why:
+                failures += 1
+                print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
+    return len(seeds), failures, counted
+
+
+def main_of(module, argv, *flags):
+    """The main of fuzz_variants / _kvcache / _varlen: their flags (a TRITON global set from
+    --triton), run_seeds with the kernels' buffers poisoned, a summary line; the exit status."""
+    args = parse_args(module.__doc__, argv, *flags)
+    if "triton" in flags:
+        module.TRITON = args.triton
+    n, failures, _ = run_seeds(args, module.draw, module.check, module.describe, poison=True)
+    print(f"\n{n} cases, {failures} failures", flush=True)
+    return 1 if failures else 0
+
+
+def main(argv=None):
+    args = parse_args(__doc__, argv, "strict", "triton")
     global STRICT, TRITON
     STRICT, TRITON = args.strict, args.triton
-    if TRITON and not (torch.cuda.is_available() or _xpu()):
-        import os
-        os.environ["TRITON_INTERPRET"] = "1"  # (read when Triton is first imported)
-    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
-    failures = gap = 0
-    for seed in seeds:
-        c = draw(seed)
-        if args.case is not None:
-            print(describe(c), flush=True)
-        else:  # the last line printed names the case a crash happened in
-            print(f"case {seed}", end="\r", flush=True)
-        gap += large_logits(c)
-        why = check(c)
-        if why:
-            failures += 1
-            print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
-    n = len(seeds)
+    n, failures, gap = run_seeds(args, draw, check, describe, count=large_logits)
     print(f"\n{n} cases, {failures} failures ({gap} with large logits, "
           f"{'checked strictly' if STRICT else 'held to the looser bounds: --strict'})",
           flush=True)

@@ -17,8 +17,6 @@ PyTorch has no kernel for most of these, so there is no "PyTorch raises" verdict
 call is valid, and an exception is a failure. A crash kills the process: run it in a subprocess
 (tests/test_fuzz.py does) and rerun the case printed last with --case.
 """
-import argparse
-import os
 import random
 import sys
 
@@ -170,20 +168,42 @@ def check(case):
             ours = _results(run, q, k, v, kw, dtype, grad)
         except Exception as e:  # noqa: BLE001  (every drawn call is valid)
             return f"{name}: raised {type(e).__name__}: {e}"
-        why = fuzz_sdpa.compare(f"{name} out", ours[0], base[0], ref[0], dtype)
-        if why or not grad:
+        why = verdict(name, ours, base, ref, dtype, terms, sink_floor)
+        if why:
             return why
-        for t, a, b, r in zip(("q", "k", "v", "sinks"), ours[1], base[1], ref[1]):
-            if r is None:
-                continue
-            if a is None:
-                return f"{name}: no gradient for {t}"
-            # (dsinks: float32, the atol term the inputs' dtype's times sink_floor)
-            dt = torch.float32 if t == "sinks" else dtype
-            mag = sink_floor if t == "sinks" else terms if t in "qk" else 1.0
-            why = fuzz_sdpa.compare(f"{name} d{t}", a.to(dt), b.to(dt), r, dtype, mag)
-            if why:
-                return why
+    return ""
+
+
+def verdict(name, ours, base, ref, dtype, terms, sink_floor):
+    """fuzz_sdpa's verdict on ours = (out, [dq, dk, dv, dsinks] or None) against the same
+    formulas in dtype (base) and in fp64 (ref): dq and dk with the atol term over the cancelling
+    terms, dsinks in float32 with it over sink_floor (_sink_floor). (fuzz_varlen's too.)"""
+    why = fuzz_sdpa.compare(f"{name} out", ours[0], base[0], ref[0], dtype)
+    if why or ours[1] is None or ref[1] is None:
+        return why
+    for t, a, b, r in zip(("q", "k", "v", "sinks"), ours[1], base[1], ref[1]):
+        if r is None:
+            continue
+        if a is None:
+            return f"{name}: no gradient for {t}"
+        dt = torch.float32 if t == "sinks" else dtype
+        mag = sink_floor if t == "sinks" else terms if t in ("q", "k") else 1.0
+        why = fuzz_sdpa.compare(f"{name} d{t}", a.to(dt), b.to(dt), r, dtype, mag)
+        if why:
+            return why
+    return ""
+
+
+def lse_verdict(name, lse, want, tol):
+    """A logsumexp against the reference's: -inf on the same rows (those that see no key and
+    have no sink), elsewhere within tol (relative to its largest magnitude, at least 1).
+    (fuzz_kvcache's and fuzz_varlen's.)"""
+    seen = torch.isfinite(want)
+    if not torch.equal(seen, torch.isfinite(lse)):
+        return f"{name} lse: finite where the reference's is not, or the other way"
+    err = (lse.double()[seen] - want[seen]).abs()
+    if err.numel() and err.max() > tol * max(1.0, want[seen].abs().max().item()):
+        return f"{name} lse: error {err.max().item():.3g}"
     return ""
 
 
@@ -192,41 +212,7 @@ def run_case(seed):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0, help="first case's seed")
-    ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
-    ap.add_argument("--triton", action="store_true",
-                    help="check the Triton kernels too (under the interpreter without a GPU)")
-    ap.add_argument("--emulated", default=None, metavar="TIER",
-                    help="the CPU kernels through this tier's SIMDe-emulated build (e.g. amx)")
-    args = ap.parse_args(argv)
-    from flashsdpa import _testing
-    # every output and scratch buffer of the CPU kernels starts as NaN: what a kernel leaves
-    # unwritten, or reads before writing, fails the verdict
-    with _testing.poisoned(), _testing.emulated(args.emulated):
-        return _run(args)
-
-
-def _run(args):
-    global TRITON
-    TRITON = args.triton
-    if TRITON and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # (read when Triton is first imported)
-    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
-    failures = 0
-    for seed in seeds:
-        case = draw(seed)
-        if args.case is not None:
-            print(describe(case), flush=True)
-        else:  # the last line printed names the case a crash happened in
-            print(f"case {seed}", end="\r", flush=True)
-        why = check(case)
-        if why:
-            failures += 1
-            print(f"case {seed} FAILED: {describe(case)}: {why}", flush=True)
-    print(f"\n{len(seeds)} cases, {failures} failures", flush=True)
-    return 1 if failures else 0
+    return fuzz_sdpa.main_of(sys.modules[__name__], argv, "triton", "emulated")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,6 @@ on each sequence alone (test_varlen.per_sequence_reference) under fuzz_variants'
     python tests/fuzz_varlen.py --triton --cases 300             # the Triton kernels too
     python tests/fuzz_varlen.py --case 1234                      # one case again, printed
 """
-import argparse
-import os
 import random
 import sys
 
@@ -18,6 +16,7 @@ import torch
 
 import flashsdpa
 import fuzz_sdpa
+import fuzz_variants
 from test_varlen import cu, per_sequence_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -116,37 +115,18 @@ def check(c):
     ref = _results(formulas, c, torch.float64, grad)
     base = _results(formulas, c, dtype, grad)
     terms = fuzz_sdpa.cancelling_terms(dict(q=c["q"], k=c["k"], v=c["v"], scale=None))
+    sink_floor = _sink_floor(c, ref[0], ref[1]) if grad and "sinks" in c["kw"] else 1.0
     paths = [("cpu", cpu_run)] + ([("triton", triton_run)] if TRITON else [])
     for name, run in paths:
         try:
             out, lse, grads = _results(run, c, dtype, grad)
         except Exception as e:  # noqa: BLE001  (every drawn call is valid)
             return f"{name}: raised {type(e).__name__}: {e}"
-        why = fuzz_sdpa.compare(f"{name} out", out, base[0], ref[0], dtype)
+        why = fuzz_variants.verdict(name, (out, grads), (base[0], base[2]), (ref[0], ref[2]),
+                                    dtype, terms, sink_floor) or \
+            fuzz_variants.lse_verdict(name, lse, ref[1], 1e-4 if dtype == torch.float32 else 3e-2)
         if why:
             return why
-        seen = torch.isfinite(ref[1])
-        if not torch.equal(seen, torch.isfinite(lse)):
-            return f"{name} lse: finite where the reference's is not, or the other way"
-        err = (lse.double()[seen] - ref[1][seen]).abs()
-        tol = 1e-4 if dtype == torch.float32 else 3e-2
-        if err.numel() and err.max() > tol * max(1.0, ref[1][seen].abs().max().item()):
-            return f"{name} lse: error {err.max().item():.3g}"
-        if grads is None or ref[2] is None:
-            continue
-        for t, a, b, r in zip(("q", "k", "v", "sinks"), grads, base[2], ref[2]):
-            if r is None:
-                continue
-            if a is None:
-                return f"{name}: no gradient for {t}"
-            dt = torch.float32 if t == "sinks" else dtype
-            # (dsinks: as fuzz_variants, the atol term over what delta carries of rounding)
-            mag = terms if t in ("q", "k") else 1.0
-            if t == "sinks" and dtype != torch.float32:
-                mag = _sink_floor(c, ref[0], ref[1])
-            why = fuzz_sdpa.compare(f"{name} d{t}", a.to(dt), b.to(dt), r, dtype, mag)
-            if why:
-                return why
     return ""
 
 
@@ -163,35 +143,7 @@ def run_case(seed):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", type=int, default=1000)
-    ap.add_argument("--seed", type=int, default=0, help="first case's seed")
-    ap.add_argument("--case", type=int, default=None, help="run this one case, verbosely")
-    ap.add_argument("--triton", action="store_true",
-                    help="check the Triton kernels too (under the interpreter without a GPU)")
-    ap.add_argument("--emulated", default=None, metavar="TIER",
-                    help="the CPU kernels through this tier's SIMDe-emulated build")
-    args = ap.parse_args(argv)
-    global TRITON
-    TRITON = args.triton
-    if TRITON and not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # (read when Triton is first imported)
-    from flashsdpa import _testing
-    seeds = [args.case] if args.case is not None else range(args.seed, args.seed + args.cases)
-    failures = 0
-    with _testing.poisoned(), _testing.emulated(args.emulated):
-        for seed in seeds:
-            c = draw(seed)
-            if args.case is not None:
-                print(describe(c), flush=True)
-            else:
-                print(f"case {seed}", end="\r", flush=True)
-            why = check(c)
-            if why:
-                failures += 1
-                print(f"case {seed} FAILED: {describe(c)}: {why}", flush=True)
-    print(f"\n{len(seeds)} cases, {failures} failures", flush=True)
-    return 1 if failures else 0
+    return fuzz_sdpa.main_of(sys.modules[__name__], argv, "triton", "emulated")
 
 
 if __name__ == "__main__":

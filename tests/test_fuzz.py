@@ -57,35 +57,27 @@ def test_fuzz_variants_short_run_triton():
     _short_run("--triton", cases=40, script="fuzz_variants.py")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
-@pytest.mark.parametrize("seed", [108, 143])
-def test_fuzz_variants_cases_the_triton_kernels_failed(seed):
-    """Softcap 30 over scores of a few on the Triton kernels: their tanh, 1 - 2 / (e^2x + 1),
-    lost digits to cancellation for small arguments (out 3e-6 off); now the CPU's rational fit."""
-    sys.path.insert(0, HERE)
-    import fuzz_variants
-    fuzz_variants.TRITON = True
-    try:
-        assert fuzz_variants.run_case(seed) == ""
-    finally:
-        fuzz_variants.TRITON = False
+# Cases the fuzzers' --triton runs failed before their fixes: fuzz_sdpa 18 and 27, a one-row key
+# of unaligned stride (descriptor assertion); 24, finfo.min overflowing to -inf; 1344 to 4569,
+# gradients of rows whose logits sit near finfo.min (a float mask there): their logsumexp, in one
+# fp32 (natural log) and back times log2(e), landed ulps of 3.4e38 away from the scores (the
+# forward now hands the backward each row's log2-domain max and ln(l) apart). fuzz_variants 108
+# and 143: softcap 30 over scores of a few, whose tanh, 1 - 2 / (e^2x + 1), lost digits to
+# cancellation for small arguments (now the CPU's rational fit).
+TRITON_FAILED = [("fuzz_sdpa", s) for s in (18, 24, 27, 1344, 1474, 3848, 4520, 4569)] + \
+    [("fuzz_variants", s) for s in (108, 143)]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
-@pytest.mark.parametrize("seed", [18, 24, 27, 1344, 1474, 3848, 4520, 4569])
-def test_fuzz_cases_the_triton_kernels_failed(seed):
-    """Cases `fuzz_sdpa.py --triton` failed before their fixes: 18 and 27, a one-row key of
-    unaligned stride (descriptor assertion); 24, finfo.min overflowing to -inf; 1344 to 4569,
-    gradients of rows whose logits sit near finfo.min (a float mask there): their logsumexp, in
-    one fp32 (natural log) and back times log2(e), landed ulps of 3.4e38 away from the scores;
-    the forward now hands the backward each row's log2-domain max and ln(l) apart."""
+@pytest.mark.parametrize("fuzzer,seed", TRITON_FAILED)
+def test_fuzz_cases_the_triton_kernels_failed(fuzzer, seed):
     sys.path.insert(0, HERE)
-    import fuzz_sdpa
-    fuzz_sdpa.TRITON = True
+    module = importlib.import_module(fuzzer)
+    module.TRITON = True
     try:
-        assert fuzz_sdpa.run_case(seed) == ""
+        assert module.run_case(seed) == ""
     finally:
-        fuzz_sdpa.TRITON = False
+        module.TRITON = False
 
 
 def test_fuzz_kvcache_short_run():

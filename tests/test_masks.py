@@ -233,11 +233,9 @@ def test_decode_splits_at_different_offsets(tier):
     torch.testing.assert_close(lse[..., 1].double(), want[..., 1], atol=64, rtol=0)
 
 
-def test_sink_in_a_shifted_row(tier):
-    """A sink's score moves with its row's shift: a row at -1e9 on every key attends to its sink
-    alone (out 0, the keys e^-1e9 behind); a row at -3000 + N(0, 1) shares its mass with sinks
-    at -2996 and -2997.5 as the formula says (scores + 3000 rounded to ulp(4328) = 4.9e-4 in the
-    log2 domain would miss the bound); forward, gradients and the sinks' gradient against fp64."""
+def check_sink_in_a_shifted_row(fwd):
+    """test_sink_in_a_shifted_row's case on fwd(q, k, v, mask, sinks) -> out (differentiable in
+    q, k, v and sinks). (Also test_triton's, on the Triton kernels.)"""
     q, k, v = make_qkv(1, 2, 2, 6, 40, 16)
     sinks = torch.tensor([-2996.0, -2997.5])
     g = torch.Generator().manual_seed(2)
@@ -245,7 +243,7 @@ def test_sink_in_a_shifted_row(tier):
     mask[1] = -1e9
     mask[2] = -3000.0 + torch.randn(40, generator=g)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out = torch.ops.flashsdpa.flash_attn_fwd(*leaves[:3], mask, sinks=leaves[3])[0]
+    out = fwd(*leaves[:3], mask, leaves[3])
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
     ref, ref_lse = reference(*ref_leaves[:3], sinks=ref_leaves[3], mask=mask)
     p_sink = (ref_leaves[3].view(2, 1) - ref_lse[0]).exp()[:, 2]
@@ -257,6 +255,16 @@ def test_sink_in_a_shifted_row(tier):
     ref.backward(go.double())
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
         torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sink_in_a_shifted_row(tier):
+    """A sink's score moves with its row's shift: a row at -1e9 on every key attends to its sink
+    alone (out 0, the keys e^-1e9 behind); a row at -3000 + N(0, 1) shares its mass with sinks
+    at -2996 and -2997.5 as the formula says (scores + 3000 rounded to ulp(4328) = 4.9e-4 in the
+    log2 domain would miss the bound); forward, gradients and the sinks' gradient against fp64."""
+    check_sink_in_a_shifted_row(
+        lambda q, k, v, mask, sinks: torch.ops.flashsdpa.flash_attn_fwd(q, k, v, mask,
+                                                                        sinks=sinks)[0])
 
 
 def test_decode_sink_in_shifted_splits(tier):

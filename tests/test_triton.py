@@ -187,30 +187,13 @@ def test_rows_at_one_large_mask_value(form, dtype):
 
 
 def test_sinks_in_shifted_rows():
-    """The sink's score moves with its row's shift: a row at -1e9 on every key attends to its
-    sink alone (out 0); a row at -3000 + N(0, 1) shares its mass with sinks at -2996 and -2997.5
-    as the formula says (the sinks' gradient taken from the logsumexp relative to the shift);
-    forward, gradients and the sinks' gradient against fp64."""
-    q, k, v = make_qkv(1, 2, 2, 6, 40, 16)
-    sinks = torch.tensor([-2996.0, -2997.5])
-    g = torch.Generator().manual_seed(2)
-    mask = torch.randn(6, 40, generator=g)
-    mask[1] = -1e9
-    mask[2] = -3000.0 + torch.randn(40, generator=g)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    out = _triton.scaled_dot_product_attention(*(_dev(t) for t in leaves[:3]), _dev(mask),
-                                               sinks=_dev(leaves[3])).cpu()
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
-    ref, ref_lse = variant_tests.reference(*ref_leaves[:3], sinks=ref_leaves[3], mask=mask)
-    p_sink = (ref_leaves[3].view(2, 1) - ref_lse[0]).exp()[:, 2]
-    assert 0.1 < p_sink.min() and p_sink.max() < 0.9  # the sink competes
-    assert out[0, :, 1].abs().max() < 1e-30
-    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=1e-5)
-    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    out.backward(go)
-    ref.backward(go.double())
-    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), leaves, ref_leaves):
-        torch.testing.assert_close(a.grad.double(), r.grad, atol=1e-5, rtol=1e-4, msg=name)
+    """test_masks' sinks in shifted rows on the Triton kernels: a row at -1e9 on every key
+    attends to its sink alone (out 0); a row at -3000 + N(0, 1) shares its mass with sinks at
+    -2996 and -2997.5 as the formula says (the sinks' gradient from the logsumexp relative to
+    the shift); forward, gradients and the sinks' gradient against fp64."""
+    mask_tests.check_sink_in_a_shifted_row(
+        lambda q, k, v, mask, sinks: _triton.scaled_dot_product_attention(
+            _dev(q), _dev(k), _dev(v), _dev(mask), sinks=_dev(sinks)).cpu())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS.get)

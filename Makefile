@@ -93,7 +93,8 @@ fuzz-varlen: build
 # The extension built with ASan + UBSan in a copy of the sources (build-sanitize/, incremental),
 # with only the tiers this CPU runs (SAN_TIERS: what the regular build reports runnable; the
 # others' code could not execute under it), and SANITIZE_TESTS run under it (libasan preloaded;
-# Python's own leaks are not reported). Any sanitizer report fails the run.
+# Python's own leaks are not reported). Any sanitizer report fails the run. (Not the tests
+# of the Triton kernels, which run no C++ under the interpreter.)
 SANITIZE_TESTS ?= tests/test_as_pytorch.py tests/test_api.py tests/test_masks.py \
 	tests/test_varlen.py tests/test_kvcache.py tests/test_errors.py tests/test_fuzz.py \
 	tests/test_build.py::test_tier_table_matches_the_binary
@@ -108,7 +109,7 @@ sanitize: build
 	  ../$(PY) setup.py --quiet build_ext --inplace
 	cd $(SAN_DIR) && FLASHSDPA_TIERS=$(SAN_TIERS) PYTHONPATH=$$PWD LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ../$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) -k "not emu-"
+	  ../$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS) -k "not emu- and not triton"
 
 # Threads calling attention while another toggles enable()/disable(): results, crashes, RSS.
 stress: build

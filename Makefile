@@ -77,10 +77,13 @@ fuzz-variants: build
 	$(PY) tests/fuzz_variants.py --cases $(FUZZ_VARIANT_CASES) --seed $(FUZZ_SEED)
 	$(PY) tests/fuzz_variants.py --triton --cases $(FUZZ_VARIANT_TRITON_CASES) --seed $(FUZZ_SEED)
 
-# The KV-cache fuzzer (tests/fuzz_kvcache.py): flash_attn_with_kvcache, paged / float8 / append.
+# The KV-cache fuzzer (tests/fuzz_kvcache.py): flash_attn_with_kvcache, paged / float8 / append;
+# CPU kernels, then the Triton split-KV kernel (under the interpreter without a GPU, ~1.3 s a case).
 FUZZ_KVCACHE_CASES ?= 5000
+FUZZ_KVCACHE_TRITON_CASES ?= 300
 fuzz-kvcache: build
 	$(PY) tests/fuzz_kvcache.py --cases $(FUZZ_KVCACHE_CASES) --seed $(FUZZ_SEED)
+	$(PY) tests/fuzz_kvcache.py --triton --cases $(FUZZ_KVCACHE_TRITON_CASES) --seed $(FUZZ_SEED)
 
 # The packed-batch fuzzer (tests/fuzz_varlen.py): CPU kernels, then the Triton packed launch
 # (under the interpreter without a GPU, ~4 s a case).

@@ -1,4 +1,5 @@
-"""Differential fuzzer of flash_attn_with_kvcache on the CPU kernels: random batches of
+"""Differential fuzzer of flash_attn_with_kvcache on the CPU kernels (and, --triton, the Triton
+split-KV kernel: on the GPU when there is one, else under the interpreter): random batches of
 sequences with their own cached lengths (empty ones too), contiguous or paged caches (block
 sizes from 1 to 256, tables in any order, spare blocks and unused rows NaN), bf16 / fp16 / fp32
 or float8_e4m3fn caches (scalar or per-kv-head scales), the in-place append of new keys /
@@ -11,6 +12,7 @@ slots written (bit for bit).
 
     python tests/fuzz_kvcache.py --cases 2000 --seed 0            # `make fuzz-kvcache`
     python tests/fuzz_kvcache.py --case 1234                      # one case again, printed
+    python tests/fuzz_kvcache.py --triton --cases 300             # the Triton kernel too
     python tests/fuzz_kvcache.py --emulated avx512_bf16 --cases 300
 
 Every drawn call is valid: an exception is a failure. A crash kills the process: run it in a
@@ -153,34 +155,83 @@ def expected(c, dtype):
     return torch.cat(outs), torch.cat(lses)
 
 
+def cpu_run(c, kc, vc, table):
+    """flash_attn_with_kvcache on the CPU kernels -> (out, lse); the caches written in place."""
+    kw, scales = c["kw"], c["scales"]
+    return flashsdpa.flash_attn_with_kvcache(
+        c["q"], kc, vc, c["k_new"], c["v_new"], torch.tensor(c["seqlens"], dtype=torch.int32),
+        table, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
+        softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
+        k_scale=None if scales is None else scales[0],
+        v_scale=None if scales is None else scales[1], return_lse=True)
+
+
+def triton_run(c, kc, vc, table):
+    """The same call on the Triton split-KV kernel: flashsdpa.flash_attn_with_kvcache on the GPU
+    when there is one (the caches copied there and back), else its GPU entry on CPU tensors
+    under the interpreter, deciding as it does for GPU tensors (test_triton's CPU stand-in)."""
+    from flashsdpa import _C, _gpu
+    kw, scales = c["kw"], c["scales"]
+    left, right = kw.get("window", (-1, -1))
+    seqlens = torch.tensor(c["seqlens"], dtype=torch.int32)
+    opts = dict(causal=kw.get("causal", False), softcap=kw.get("softcap", 0.0),
+                alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
+                k_scale=None if scales is None else scales[0],
+                v_scale=None if scales is None else scales[1])
+    if torch.cuda.is_available():
+        on = lambda t: None if t is None else t.cuda()  # noqa: E731
+        kg, vg = on(kc), on(vc)
+        out, lse = flashsdpa.flash_attn_with_kvcache(
+            on(c["q"]), kg, vg, on(c["k_new"]), on(c["v_new"]), on(seqlens), on(table),
+            window_size=(left, right), return_lse=True,
+            **{n: on(t) if isinstance(t, torch.Tensor) else t for n, t in opts.items()})
+        kc.copy_(kg.cpu())
+        vc.copy_(vg.cpu())
+        return out.cpu(), lse.cpu()
+    real = _gpu.decide
+
+    def as_on_gpu(*args, **kwargs):
+        d = real(*args, **kwargs)
+        if d["backend"] == "cpu" and not d["reasons"]["triton"]:
+            d["backend"] = "triton"
+        return d
+
+    _gpu.decide = as_on_gpu
+    _C.set_overrideable_route("cpu")  # (the CPU taken as a Triton device: test_triton's stand-in)
+    try:
+        return _gpu.flash_attn_with_kvcache(c["q"], kc, vc, c["k_new"], c["v_new"], seqlens,
+                                            table, window_left=left, window_right=right, **opts)
+    finally:
+        _C.set_overrideable_route("")
+        _gpu.decide = real
+
+
+TRITON = False  # --triton: the Triton kernels are checked too
+
+
 def check(c):
-    """'' when the case passes, else what failed."""
-    dtype, kw, scales = c["dtype"], c["kw"], c["scales"]
+    """'' when the case passes on every path, else what failed."""
+    dtype, scales = c["dtype"], c["scales"]
     want, want_lse = expected(c, torch.float64)
     base, _ = expected(c, dtype)
-    kc, vc, table = c["kc"].clone(), c["vc"].clone(), None
-    if c["block"]:
-        (kc, table), (vc, _) = paged(kc, c["block"], c["table_seed"]), \
-            paged(vc, c["block"], c["table_seed"])
-    before = (kc.clone(), vc.clone())
-    try:
-        out, lse = flashsdpa.flash_attn_with_kvcache(
-            c["q"], kc, vc, c["k_new"], c["v_new"], torch.tensor(c["seqlens"], dtype=torch.int32),
-            table, causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)),
-            softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi"), sinks=kw.get("sinks"),
-            k_scale=None if scales is None else scales[0],
-            v_scale=None if scales is None else scales[1], return_lse=True)
-    except Exception as e:  # noqa: BLE001  (every drawn call is valid)
-        return f"raised {type(e).__name__}: {e}"
-    why = fuzz_sdpa.compare("out", out, base.to(out.dtype), want, dtype)
-    if why:
-        return why
-    why = fuzz_variants.lse_verdict(
-        "kvcache", lse, want_lse, 1e-4 if dtype == torch.float32 and scales is None else 3e-2)
-    if why:
-        return why
-    # the append: exactly the new slots written, everything else bit for bit as before
-    return appended_exactly(c, before, (kc, vc), table)
+    paths = [("cpu", cpu_run)] + ([("triton", triton_run)] if TRITON else [])
+    for name, run in paths:
+        kc, vc, table = c["kc"].clone(), c["vc"].clone(), None
+        if c["block"]:
+            (kc, table), (vc, _) = paged(kc, c["block"], c["table_seed"]), \
+                paged(vc, c["block"], c["table_seed"])
+        before = (kc.clone(), vc.clone())
+        try:
+            out, lse = run(c, kc, vc, table)
+        except Exception as e:  # noqa: BLE001  (every drawn call is valid)
+            return f"{name}: raised {type(e).__name__}: {e}"
+        why = fuzz_sdpa.compare(f"{name} out", out, base.to(out.dtype), want, dtype) or \
+            fuzz_variants.lse_verdict(name, lse, want_lse, 1e-4 if dtype == torch.float32 and
+                                      scales is None else 3e-2) or \
+            appended_exactly(c, before, (kc, vc), table)  # exactly the new slots written
+        if why:
+            return f"{name}: {why}" if why.startswith("append") else why
+    return ""
 
 
 def appended_exactly(c, before, after, table):
@@ -208,7 +259,7 @@ def run_case(seed):
 
 
 def main(argv=None):
-    return fuzz_sdpa.main_of(sys.modules[__name__], argv, "emulated")
+    return fuzz_sdpa.main_of(sys.modules[__name__], argv, "triton", "emulated")
 
 
 if __name__ == "__main__":

@@ -86,6 +86,12 @@ def test_fuzz_kvcache_short_run():
     _short_run(cases=200, script="fuzz_kvcache.py")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton not installed")
+def test_fuzz_kvcache_short_run_triton():
+    """The Triton split-KV kernel too (its GPU entry deciding as for GPU tensors)."""
+    _short_run("--triton", cases=10, script="fuzz_kvcache.py")
+
+
 def test_the_kvcache_fuzzer_can_fail(monkeypatch):
     """A 1% error in the output, or one byte of a cache changed outside the new slots, must be
     caught by the KV-cache fuzzer's verdicts."""
@@ -108,7 +114,7 @@ def test_the_kvcache_fuzzer_can_fail(monkeypatch):
 
     monkeypatch.setattr(flashsdpa, "flash_attn_with_kvcache", scribbles)
     failed = [fuzz_kvcache.run_case(s) for s in range(20)]
-    assert all(f.startswith("append:") for f in failed), failed
+    assert all(f.startswith("cpu: append:") for f in failed), failed
 
 
 def test_fuzz_varlen_short_run():

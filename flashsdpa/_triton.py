@@ -499,10 +499,10 @@ def _fwd_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             max_seqlen_k: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, rng state, mask shift). With a float mask the rows' (B, Hq, Lq, 2) shifts and
-    lse relative to them (forward; full_lse), else an empty shift and the logsumexp. With cu_seqlens_q / _k
-    (int32, on the tensors' device, checked by the caller) a packed call: (1, H, total, D) views
-    of flash_attn_varlen_func's tensors, each sequence bottom-right aligned (its semantics), no
-    mask."""
+    lse relative to them (forward; full_lse), else an empty shift and the logsumexp. With
+    cu_seqlens_q / _k (int32, on the tensors' device, checked by the caller) a packed call:
+    (1, H, total, D) views of flash_attn_varlen_func's tensors, each sequence bottom-right
+    aligned (its semantics), no mask."""
     rng = new_rng_state() if dropout_p > 0 else (0, 0)
     packed = _packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     var = _op_variants(query, key, is_causal, window_left, window_right, bottom_right, softcap,

@@ -97,6 +97,14 @@ def visible(offs_m, offs_n, diag_lo, diag_hi, HAS_LO: tl.constexpr, HAS_HI: tl.c
 
 
 @triton.jit
+def attended(offs_m, offs_n, Lq, Lk, diag_lo, diag_hi, HAS_LO: tl.constexpr,
+             HAS_HI: tl.constexpr):
+    """[BLOCK_M, BLOCK_N]: row offs_m (< Lq) sees key offs_n (< Lk): the checked tiles' rule."""
+    return (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(offs_m, offs_n, diag_lo,
+                                                                      diag_hi, HAS_LO, HAS_HI)
+
+
+@triton.jit
 def _tile_ranges(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
     """Three loop bounds over tiles of BLOCK from the tile holding `lo` to `hi`: [a, b) and
     [c, hi) checked, [b, c) interior; full_lo / full_hi the first / last-plus-one element of the
@@ -200,8 +208,7 @@ def mask_row_shift(mask_ptr, stride_mm, stride_mn, offs_m, Lq, Lk, lo, hi, diag_
     mx = tl.full([offs_m.shape[0]], float("-inf"), tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        ok = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(
-            offs_m, offs_n, diag_lo, diag_hi, HAS_LO, HAS_HI)
+        ok = attended(offs_m, offs_n, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI)
         mval = tl.load(mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn,
                        mask=ok, other=float("-inf")).to(tl.float32)
         mval = tl.where(ok & (mval == mval), mval, float("-inf"))
@@ -217,7 +224,7 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, dia
                   CHECK: tl.constexpr):
     """log2-domain scores (scaled_scores) of a [BLOCK_M, BLOCK_N] tile with ALiBi (HAS_ALIBI:
     - slope * |i + diag - j|, slope2 = slope * log2(e)) and the user mask added, a float mask
-    relative to each row's shift (mshift [BLOCK_M], mask_row_shift; 0.0 adds it as it is); -inf
+    relative to each row's shift (mshift [BLOCK_M], mask_row_shift; zeros add it as it is); -inf
     where a key is not attended (outside the sequence, masked out, or outside the band).
 
     CHECK=False is the fast path for interior tiles: the caller guarantees that every key of the
@@ -227,8 +234,7 @@ def masked_scores(s, offs_m, offs_n, Lq, Lk, mask_ptr, stride_mm, stride_mn, dia
         dist = (offs_m[:, None] + diag - offs_n[None, :]).to(tl.float32)
         s = s - slope2 * tl.abs(dist)
     if CHECK:
-        valid = (offs_n[None, :] < Lk) & (offs_m[:, None] < Lq) & visible(
-            offs_m, offs_n, diag_lo, diag_hi, HAS_LO, HAS_HI)
+        valid = attended(offs_m, offs_n, Lq, Lk, diag_lo, diag_hi, HAS_LO, HAS_HI)
     if HAS_MASK:
         ptrs = mask_ptr + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
         if CHECK:

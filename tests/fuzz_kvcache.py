@@ -26,16 +26,9 @@ import torch
 import flashsdpa
 import fuzz_sdpa
 import fuzz_variants
-import test_variants
-
-E4M3 = torch.float8_e4m3fn
+import test_kvcache
+from test_kvcache import dequantize, paged, quantize
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def quantize(x, scale):
-    """What the append stores into a float8 cache: round-to-nearest(x / scale), saturated to
-    +-448 (scale: one element or one per kv head, x's dim -2)."""
-    return (x.float() / scale.view(-1, 1)).clamp(-448, 448).to(E4M3)
 
 
 def draw(seed):
@@ -106,53 +99,16 @@ def describe(c):
     return " ".join(parts)
 
 
-def paged(cache, block, seed):
-    """(pool, table): the cache's rows in blocks of `block` rows in a shuffled pool with three
-    spare blocks; every row the sequences' keys do not fill, NaN (0x7f bytes for float8)."""
-    B, L = cache.shape[:2]
-    per_seq = -(-L // block)
-    n_blocks = B * per_seq + 3
-    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
-    table = order[:B * per_seq].view(B, per_seq).to(torch.int32)
-    pool = torch.empty((n_blocks, block) + tuple(cache.shape[2:]), dtype=cache.dtype)
-    pool.view(torch.uint8).fill_(0x7F) if cache.dtype == E4M3 else pool.fill_(float("nan"))
-    for b in range(B):
-        for i in range(per_seq):
-            rows = cache[b, i * block:(i + 1) * block]
-            pool[table[b, i], :rows.shape[0]] = rows
-    return pool, table
-
-
-def rows_of(pool, table, b, n):
-    """Sequence b's first n rows of a paged pool."""
-    return pool[table[b].long()].flatten(0, 1)[:n]
-
-
 def expected(c, dtype):
     """Per sequence: (out, lse) of the reference over its keys (cached then new; float8 ones
     dequantised, the new ones as the append quantises them), in `dtype`."""
-    outs, lses = [], []
-    kw, scales = c["kw"], c["scales"]
-    for b, n in enumerate(c["seqlens"]):
-        keys, vals = c["kc"][b, :n], c["vc"][b, :n]
-        if c["k_new"] is not None:
-            new_k, new_v = c["k_new"][b], c["v_new"][b]
-            if scales is not None:
-                new_k, new_v = quantize(new_k, scales[0]), quantize(new_v, scales[1])
-            keys, vals = torch.cat([keys, new_k]), torch.cat([vals, new_v])
-        if scales is not None:
-            keys = keys.double() * scales[0].double().view(-1, 1)
-            vals = vals.double() * scales[1].double().view(-1, 1)
-        kw_b = dict(kw)
-        if kw.get("alibi") is not None and kw["alibi"].dim() == 2:
-            kw_b["alibi"] = kw["alibi"][b]
-        o, lse = test_variants.reference(c["q"][b:b + 1].transpose(1, 2).to(dtype),
-                                         keys[None].transpose(1, 2).to(dtype),
-                                         vals[None].transpose(1, 2).to(dtype),
-                                         bottom_right=True, dtype=dtype, **kw_b)
-        outs.append(o.transpose(1, 2))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses)
+    kc, vc, kn, vn = c["kc"], c["vc"], c["k_new"], c["v_new"]
+    if c["scales"] is not None:
+        ks, vs = c["scales"]
+        kc, vc = dequantize(kc, ks), dequantize(vc, vs)
+        if kn is not None:
+            kn, vn = dequantize(quantize(kn, ks), ks), dequantize(quantize(vn, vs), vs)
+    return test_kvcache.expected(c["q"], kc, vc, kn, vn, c["kw"], dtype, c["seqlens"])
 
 
 def cpu_run(c, kc, vc, table):
@@ -235,20 +191,15 @@ def check(c):
 
 
 def appended_exactly(c, before, after, table):
+    """'' when each cache after the call is the cache before with exactly the new rows (float8
+    ones quantised) written where the append puts them (test_kvcache.appended), byte for byte."""
     for side, (old, new) in enumerate(zip(before, after)):
-        want = old.clone()
         fresh = c["k_new"] if side == 0 else c["v_new"]
+        want = old
         if fresh is not None:
             if c["scales"] is not None:
                 fresh = quantize(fresh, c["scales"][side])
-            for b, n in enumerate(c["seqlens"]):
-                for t in range(fresh.shape[1]):
-                    pos = n + t
-                    if table is None:
-                        want[b, pos] = fresh[b, t]
-                    else:
-                        blk = int(table[b, pos // c["block"]])
-                        want[blk, pos % c["block"]] = fresh[b, t]
+            want = test_kvcache.appended(old, fresh, table, c["block"], c["seqlens"])
         if not torch.equal(new.view(torch.uint8), want.view(torch.uint8)):
             return f"append: {'kv'[side]}_cache differs from the expected bytes"
     return ""

@@ -34,9 +34,11 @@ def make_cache(dtype, lq, n_new, seed=0, **variant):
 
 
 def paged(cache, block_size, seed=1):
-    """The same cache as blocks of block_size rows in a shuffled pool with spare (NaN) blocks:
-    (pool, block_table)."""
-    per_seq = -(-LCACHE // block_size)
+    """The same cache (B, Lcache, ...) as blocks of block_size rows in a shuffled pool with three
+    spare blocks, every row no block of the cache fills NaN (0x7f bytes in float8):
+    (pool, block_table). (Also fuzz_kvcache's.)"""
+    B, L = cache.shape[:2]
+    per_seq = -(-L // block_size)
     n_blocks = B * per_seq + 3
     order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed))
     table = order[:B * per_seq].view(B, per_seq).to(torch.int32)
@@ -60,11 +62,10 @@ def call(q, k_cache, v_cache, k_new, v_new, kw, block_table=None, seqlens=SEQLEN
         return_lse=True)
 
 
-def expected(q, k_cache, v_cache, k_new, v_new, kw, dtype):
+def expected(q, k_cache, v_cache, k_new, v_new, kw, dtype, seqlens=SEQLENS):
     """Per sequence: the reference over its cached keys then the new ones, in `dtype`."""
     outs, lses = [], []
-    for b in range(B):
-        n = SEQLENS[b]
+    for b, n in enumerate(seqlens):
         keys, vals = k_cache[b, :n], v_cache[b, :n]
         if k_new is not None:
             keys, vals = torch.cat([keys, k_new[b]]), torch.cat([vals, v_new[b]])
@@ -178,11 +179,11 @@ def test_kvcache_append_writes_exactly_the_new_slots(block_size):
     assert torch.equal(vc.view(torch.int16), appended(before_v, vn, table, block_size).view(torch.int16))
 
 
-def appended(cache, new, table, block_size):
+def appended(cache, new, table, block_size, seqlens=SEQLENS):
     """cache with the rows of `new` (B, n, ...) written where the append puts them: after each
-    sequence's SEQLENS tokens, through the block table when paged."""
+    sequence's `seqlens` tokens, through the block table when paged."""
     want = cache.clone()
-    for b, n in enumerate(SEQLENS):
+    for b, n in enumerate(seqlens):
         for t in range(new.shape[1]):
             pos = n + t
             if table is None:

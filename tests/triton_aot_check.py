@@ -18,8 +18,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from flashsdpa.kernels import attention_bwd, attention_fwd, attention_kvcache, configs  # noqa: E402
 
 PTR_ELEM = {"Q": "T", "K": "T", "V": "T", "O": "T", "DO": "T", "DK": "T", "DV_": "T", "DQ": "T",
-            "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "SHIFT": "fp32", "Keep": "u8", "Alibi": "fp32",
-            "Sinks": "fp32", "CuQ": "i32", "CuK": "i32", "Kc": "M", "Vc": "M",
+            "Mask": "M", "LSE": "fp32", "DELTA": "fp32", "SHIFT": "fp32", "Keep": "u8",
+            "Alibi": "fp32", "Sinks": "fp32", "CuQ": "i32", "CuK": "i32", "Kc": "M", "Vc": "M",
             "BlockTable": "i32", "SeqLens": "i32", "OutP": "fp32", "LseP": "fp32", "Out": "T",
             "Lse": "fp32",
             "KScale": "fp32", "VScale": "fp32"}

@@ -76,14 +76,9 @@ def tier_dtypes(tier):
 
 
 def measure_peak(threads):
-    """bench/peak.py's peaks on `threads` threads, the better of two probes of each (a shared
-    machine's noise only ever slows a probe)."""
+    """bench/peak.py's peaks on `threads` threads (each the best of its probes)."""
     import peak as peak_mod
-    runs = [peak_mod.measure(threads, read_mib=64) for _ in range(2)]
-    peak = max(runs, key=lambda r: r["fma_peak_gflops"])
-    dots = [r["bf16_dot_gflops"] for r in runs if r["bf16_dot_gflops"]]
-    peak["bf16_dot_gflops"] = max(dots) if dots else None
-    return peak
+    return peak_mod.measure(threads, read_mib=64)
 
 
 def tier_peak(tier, peak, threads):

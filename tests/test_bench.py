@@ -133,6 +133,24 @@ def test_visible_pairs_matches_a_mask_count():
         assert bench_sdpa.visible_pairs(L, S, False) == L * S
 
 
+def test_peak_is_the_best_of_its_probes(monkeypatch):
+    """Every peak bench/peak.py reports (FMA per variant, vdpbf16ps, read) is the best of its
+    probes, not the last: one probe beside a busy neighbour read half the bf16 peak."""
+    import peak
+    readings = iter([100.0, 50.0, 80.0, 120.0, 30.0, 60.0, 90.0, 10.0, 70.0, 95.0])
+    calls = []
+    monkeypatch.setattr(peak, "_binary", lambda variant: variant)
+    monkeypatch.setattr(peak, "runnable_variants", lambda: ["sse2", "avx2"])
+    monkeypatch.setattr(peak, "has_bf16_dot", lambda: True)
+    monkeypatch.setattr(peak, "_run", lambda exe, what, *a: calls.append((exe, what)) or
+                        next(readings))
+    res = peak.measure(threads=2, tries=2)
+    assert res["fma_gflops"] == {"sse2": 100.0, "avx2": 120.0}
+    assert (res["fma_peak_isa"], res["fma_peak_gflops"]) == ("avx2", 120.0)
+    assert res["bf16_dot_gflops"] == 60.0 and res["read_gbs"] == 90.0
+    assert calls[-2:] == [("avx2", "read")] * 2  # the read probe runs the fastest FMA variant's
+
+
 @pytest.mark.parametrize("mode", ["fwd", "train", "decode"])
 def test_bench_tiny_run(tmp_path, mode):
     cmd = [sys.executable, os.path.join(BENCH, "bench_sdpa.py"), "--mode", mode, "--shapes",

@@ -28,6 +28,8 @@ Layouts (the fake kernels below promise exactly what the CPU kernels return):
     grads      (B, H, L, D) stored as (B, L, H, D), as PyTorch's CPU kernel lays them out;
                grad_sinks float32 (H,), or (0,) without sinks
 """
+import os
+
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.flashsdpa.*)
@@ -117,19 +119,32 @@ NATIVE_OPS = ("flash_attn_fwd", "flash_attn_bwd", "sdpa", "flash_attn", "flash_a
               "flash_attn_varlen_bwd", "flash_attn_with_kvcache")
 
 
-def _tag_compile_caches():
-    """Inductor's on-disk caches hold compiled code that calls these ops with their schemas as
-    they were: a cache entry made with another build of flashsdpa whose schemas differ would call
-    them with the wrong arguments. The schemas' digest joins torch.compile's cache key."""
-    import hashlib
+# The modules whose fake kernels give traced graphs their outputs' shapes and dtypes.
+FAKE_SOURCES = ("_ops.py", "_triton.py")
 
+
+def compile_cache_tag():
+    """flashsdpa's part of torch.compile's cache key: a digest of the ops' schemas and of the
+    sources of their fake kernels (FAKE_SOURCES). Inductor's on-disk caches hold compiled code
+    that calls the ops with their schemas as they were, and buffers sized by the fake kernels
+    as they were: an entry made with another build of flashsdpa whose schemas or outputs differ
+    (softmax_stats once went from 2 to 3 floats a row with no schema change) would call the ops
+    with the wrong arguments or assert the old sizes."""
+    import hashlib
+    digest = hashlib.sha1("\n".join(str(getattr(torch.ops.flashsdpa, name).default._schema)
+                                    for name in NATIVE_OPS).encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in FAKE_SOURCES:
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return "flashsdpa-ops-" + digest.hexdigest()[:12]
+
+
+def _tag_compile_caches():
     import torch.compiler.config as compiler_config
-    schemas = "\n".join(str(getattr(torch.ops.flashsdpa, name).default._schema)
-                        for name in NATIVE_OPS)
-    tag = "flashsdpa-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
     tags = [t for t in compiler_config.cache_key_tag.split(",")
             if t and not t.startswith("flashsdpa-ops-")]
-    compiler_config.cache_key_tag = ",".join(tags + [tag])
+    compiler_config.cache_key_tag = ",".join(tags + [compile_cache_tag()])
 
 
 _tag_compile_caches()

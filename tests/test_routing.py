@@ -435,15 +435,34 @@ def test_compile_after_disable_is_pytorch_again():
     assert not flash_ranges(lambda: c(q, k, v).sum().backward())
 
 
-def test_compile_cache_key_carries_the_op_schemas():
-    """Inductor caches are keyed by our ops' schemas: code compiled against another build's
-    schemas is never reused (it would call the ops with the wrong arguments)."""
+def test_compile_cache_key_carries_the_op_schemas_and_fake_kernels(tmp_path, monkeypatch):
+    """Inductor caches are keyed by our ops' schemas and by the sources of their fake kernels:
+    code compiled against another build's schemas (it would call the ops with the wrong
+    arguments) or outputs (an entry traced when softmax_stats held 2 floats a row asserted the
+    old size after it went to 3, with the same schema) is never reused."""
+    import glob
     import hashlib
+    import shutil
     import torch.compiler.config as compiler_config
-    from flashsdpa._ops import NATIVE_OPS
+    from flashsdpa import _ops
     defined = {n.split("::")[1] for n in torch._C._dispatch_get_all_op_names()
                if n.startswith("flashsdpa::") and not n.startswith("flashsdpa::triton_")}
-    assert set(NATIVE_OPS) == defined, "every op the extension defines keys the caches"
-    schemas = "\n".join(str(getattr(torch.ops.flashsdpa, n).default._schema) for n in NATIVE_OPS)
-    tag = "flashsdpa-ops-" + hashlib.sha1(schemas.encode()).hexdigest()[:12]
+    assert set(_ops.NATIVE_OPS) == defined, "every op the extension defines keys the caches"
+    package = os.path.dirname(_ops.__file__)
+    with_fakes = {os.path.basename(f) for f in glob.glob(os.path.join(package, "*.py"))
+                  if "register_fake" in open(f).read()}
+    assert with_fakes == set(_ops.FAKE_SOURCES), "every module with fake kernels keys the caches"
+    digest = hashlib.sha1("\n".join(str(getattr(torch.ops.flashsdpa, n).default._schema)
+                                    for n in _ops.NATIVE_OPS).encode())
+    for name in _ops.FAKE_SOURCES:
+        digest.update(open(os.path.join(package, name), "rb").read())
+    tag = "flashsdpa-ops-" + digest.hexdigest()[:12]
+    assert tag == _ops.compile_cache_tag()
     assert tag in compiler_config.cache_key_tag.split(",")
+    # a fake kernel edited (a copy of the package's sources), schemas unchanged: another key
+    for name in _ops.FAKE_SOURCES:
+        shutil.copy(os.path.join(package, name), tmp_path / name)
+    with open(tmp_path / "_triton.py", "a") as f:
+        f.write("\n# an output resized\n")
+    monkeypatch.setattr(_ops, "__file__", str(tmp_path / "_ops.py"))
+    assert _ops.compile_cache_tag() != tag

@@ -15,6 +15,43 @@
 
 namespace flashsdpa {
 
+ItemQueue::ItemQueue(int64_t total, int threads, bool in_order)
+    : total_(total),
+      threads_(int(std::max<int64_t>(1, std::min<int64_t>(threads, total)))),
+      in_order_(in_order || total > int64_t(std::numeric_limits<uint32_t>::max())) {
+  if (in_order_) return;
+  ranges_.reset(new Range[threads_]);
+  for (int t = 0; t < threads_; ++t) {
+    const uint64_t b = uint64_t(total * t / threads_), e = uint64_t(total * (t + 1) / threads_);
+    ranges_[t].v.store(e << 32 | b, std::memory_order_relaxed);
+  }
+}
+
+int64_t ItemQueue::next(int thread) {
+  if (in_order_) {
+    const int64_t i = counter_.fetch_add(1, std::memory_order_relaxed);
+    return i < total_ ? i : -1;
+  }
+  constexpr uint64_t kBegin = 0xffffffffu;
+  const auto left = [](uint64_t r) { return (r >> 32) - (r & kBegin); };
+  std::atomic<uint64_t>& own = ranges_[thread].v;
+  for (uint64_t r = own.load(std::memory_order_relaxed); left(r) > 0;)
+    if (own.compare_exchange_weak(r, r + 1, std::memory_order_relaxed)) return int64_t(r & kBegin);
+  for (;;) {  // ranges only shrink: this ends once every one is empty
+    int victim = -1;
+    uint64_t r = 0;
+    for (int t = 0; t < threads_; ++t) {
+      const uint64_t x = ranges_[t].v.load(std::memory_order_relaxed);
+      if (left(x) > (victim < 0 ? 0 : left(r))) victim = t, r = x;  // (ties: the lowest t)
+    }
+    if (victim < 0) return -1;
+    const uint64_t end = (r >> 32) - 1;
+    if (ranges_[victim].v.compare_exchange_weak(r, end << 32 | (r & kBegin),
+                                                std::memory_order_relaxed))
+      return int64_t(end);
+  }
+}
+
 namespace {
 
 std::atomic<bool> g_debug_poison{false};
@@ -76,8 +113,8 @@ float* shared_buffer(int64_t bytes, c10::DataPtr* owner) {
   return static_cast<float*>(owner->get());
 }
 
-// The phases whose items run_phase hands out one at a time.
-bool dynamic_phase(Phase phase) {
+// The phases whose items run_phase hands out in order (ItemQueue's in_order): the compute ones.
+bool in_order_phase(Phase phase) {
   return phase == Phase::Forward || phase == Phase::ForwardTransposed ||
          phase == Phase::BwdDkDv || phase == Phase::BwdDq || phase == Phase::BwdFused;
 }
@@ -93,12 +130,9 @@ c10::DataPtr thread_scratch(int64_t bytes) {
 }
 
 // Runs one phase over the items of every segment (segment s's items numbered after those of
-// segments 0..s-1) in one parallel loop, each thread with its own scratch. The compute phases
-// hand out their items one at a time (an atomic counter) rather than as one fixed range per
-// thread: a thread whose core is shared with another process then does fewer items instead of
-// holding everyone up at the end, and one long segment's items spread over the threads. Same
-// items, same results: no item's output depends on which thread runs it. The memory-bound
-// phases (packing, decode) keep contiguous ranges. plans[s]: segment s's plan of the phase.
+// segments 0..s-1) in one parallel loop, each thread with its own scratch, the items handed out
+// by an ItemQueue: so one long segment's items spread over the threads too. plans[s]: segment
+// s's plan of the phase.
 void run_phase(const AttnParams* seg, int64_t n, const KernelPolicy& pol, Phase phase,
                const std::vector<PhasePlan>& plans) {
   RECORD_FUNCTION(profiler_name(phase, pol.isa, seg[0].dtype), c10::ArrayRef<const c10::IValue>{});
@@ -111,25 +145,19 @@ void run_phase(const AttnParams* seg, int64_t n, const KernelPolicy& pol, Phase 
   const int64_t total = start[n];
   if (total <= 0) return;
   const CpuTier& tier = *pol.tier;
-  const bool dynamic = dynamic_phase(phase);
-  std::atomic<int64_t> claim{0};
-  const int64_t n_loop = dynamic ? std::min<int64_t>(at::get_num_threads(), total) : total;
-  at::parallel_for(0, n_loop, 1, [&](int64_t begin, int64_t end) {
+  ItemQueue queue(total, at::get_num_threads(), in_order_phase(phase));
+  at::parallel_for(0, queue.threads(), 1, [&](int64_t begin, int64_t end) {
     const c10::DataPtr scratch = thread_scratch(scratch_bytes);
-    if (n == 1)  // one segment: the tier claims the items itself
-      return tier.run(seg[0], phase, dynamic ? 0 : begin, dynamic ? total : end, scratch.get(),
-                      dynamic ? &claim : nullptr);
-    const auto run_items = [&](int64_t g, int64_t g_end) {  // global items [g, g_end)
-      int64_t s = std::upper_bound(start.begin(), start.end(), g) - start.begin() - 1;
-      for (; g < g_end; ++s) {
-        const int64_t hi = std::min(g_end, start[s + 1]);
-        if (hi > g) tier.run(seg[s], phase, g - start[s], hi - start[s], scratch.get(), nullptr);
-        g = std::max(g, hi);
+    for (int t = int(begin); t < int(end); ++t) {  // one a thread, unless the loop runs inline
+      if (n == 1) {  // one segment: the tier takes the items from the queue itself
+        tier.run(seg[0], phase, 0, 0, scratch.get(), &queue, t);
+        continue;
       }
-    };
-    if (!dynamic) return run_items(begin, end);
-    for (int64_t g; (g = claim.fetch_add(1, std::memory_order_relaxed)) < total;)
-      run_items(g, g + 1);
+      for (int64_t g; (g = queue.next(t)) >= 0;) {
+        const int64_t s = std::upper_bound(start.begin(), start.end(), g) - start.begin() - 1;
+        tier.run(seg[s], phase, g - start[s], g - start[s] + 1, scratch.get(), nullptr, 0);
+      }
+    }
   });
 }
 

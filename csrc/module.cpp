@@ -4,7 +4,10 @@
 #include <ATen/autocast_mode.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cpu/isa.h"
 #include "driver.h"
@@ -403,6 +406,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("x"), py::arg("cap"), py::arg("dtype") = "float32",
       "the softcap of the tier that runs `dtype` (cap / emulation honoured): cap tanh(x / cap)");
+  // ItemQueue (params.h) by itself: next(t) for each t of `callers`, one call at a time; and
+  // every queue thread draining it at once, thread t sleeping delay_us[t] after each item (a
+  // core another process slows), each thread's items in the order it took them.
+  t.def("item_queue_sequence",
+        [](int64_t total, int threads, bool in_order, const std::vector<int>& callers) {
+          flashsdpa::ItemQueue q(total, threads, in_order);
+          std::vector<int64_t> got;
+          for (int t : callers) {
+            TORCH_CHECK(t >= 0 && t < q.threads(), "item_queue_sequence: caller ", t,
+                        " is not one of the queue's ", q.threads(), " threads");
+            got.push_back(q.next(t));
+          }
+          return got;
+        },
+        py::arg("total"), py::arg("threads"), py::arg("in_order"), py::arg("callers"));
+  t.def("item_queue_drain",
+        [](int64_t total, int threads, bool in_order, const std::vector<int64_t>& delay_us) {
+          flashsdpa::ItemQueue q(total, threads, in_order);
+          TORCH_CHECK(int64_t(delay_us.size()) == q.threads(),
+                      "item_queue_drain: delay_us needs one entry a thread (", q.threads(), ")");
+          std::vector<std::vector<int64_t>> got(q.threads());
+          {
+            py::gil_scoped_release no_gil;
+            std::vector<std::thread> pool;
+            for (int t = 0; t < q.threads(); ++t)
+              pool.emplace_back([&, t] {
+                for (int64_t i; (i = q.next(t)) >= 0;) {
+                  got[t].push_back(i);
+                  if (delay_us[t] > 0)
+                    std::this_thread::sleep_for(std::chrono::microseconds(delay_us[t]));
+                }
+              });
+            for (auto& th : pool) th.join();
+          }
+          return got;
+        },
+        py::arg("total"), py::arg("threads"), py::arg("in_order"), py::arg("delay_us"));
   t.def("dropout_keep_mask", &dropout_keep_mask, py::arg("seed"), py::arg("offset"), py::arg("B"),
         py::arg("H"), py::arg("L"), py::arg("S"), py::arg("p"));
 }

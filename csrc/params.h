@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 
 namespace flashsdpa {
 
@@ -270,6 +271,32 @@ enum class Phase : int32_t {
 // the BwdDelta items' parts in a fixed order.
 inline bool bwd_fused_owns_delta(const AttnParams& p) { return p.sinks == nullptr; }
 
+// The work items [0, total) of one phase's parallel loop, handed to its threads (driver.cpp's
+// run_phase). in_order: one at a time, in order, to whichever thread asks next (the compute
+// phases, whose items differ in cost). Otherwise each thread owns a contiguous range (the
+// memory-bound phases: a thread's decode splits follow one another in memory, so its K / V
+// streams run on from item to item) and takes its items from the front; a thread whose range
+// is empty takes items from the back of the range with the most left (of equals, the first
+// thread's). Either way a thread whose
+// core another process shares does fewer items instead of holding the others up at the end, and
+// no item's output depends on which thread runs it.
+class ItemQueue {
+ public:
+  ItemQueue(int64_t total, int threads, bool in_order);  // (threads: at most total)
+  int threads() const { return threads_; }
+  int64_t next(int thread);  // that thread's next item; -1 once none is left
+
+ private:
+  struct alignas(64) Range {  // end << 32 | begin: taken from both ends by compare-exchange
+    std::atomic<uint64_t> v{0};
+  };
+  int64_t total_;
+  int threads_;
+  bool in_order_;  // (also where the items outnumber 32-bit ranges)
+  std::atomic<int64_t> counter_{0};
+  std::unique_ptr<Range[]> ranges_;
+};
+
 struct PhasePlan {
   int64_t n_items;        // the phase's items are [0, n_items); 0: skip the phase
   int64_t scratch_bytes;  // per-thread scratch the items need (64-byte aligned by the caller)
@@ -293,10 +320,9 @@ struct CpuTier {
   bool near_pf;  // decode kernels whose prefetches may run near (the trait's kDecodeNearPf)
   bool pv_whole;  // decode kernels whose P V wants whole blocks (the trait's kDecodePvWhole)
   PhasePlan (*plan)(const AttnParams& p, Phase phase);
-  // Runs work items [begin, end), or, with `claim`, the items it hands out (claim->fetch_add(1)
-  // until end: dynamic scheduling).
+  // Runs work items [begin, end), or, with a queue, the items it hands to `thread`.
   void (*run)(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch,
-              std::atomic<int64_t>* claim);
+              ItemQueue* queue, int thread);
   // Test hook: the tier's softmax exponent, s[j] = exp2(s[j] - m) for j < n, returns the sum
   // (s padded to a multiple of 16 floats; lanes from n on must hold -inf).
   float (*exp2_row_sum)(float* s, int n, float m);

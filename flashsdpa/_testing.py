@@ -21,6 +21,8 @@ choose_isa = _T.choose_isa  # (raw CPUID words, dtype, kv_e4m3, call): the tier 
 dropout_keep_mask = _T.dropout_keep_mask
 exp2_row_sum = _T.exp2_row_sum
 softcap_row = _T.softcap_row
+item_queue_sequence = _T.item_queue_sequence  # driver.cpp ItemQueue: next(t) for t in callers
+item_queue_drain = _T.item_queue_drain  # every queue thread at once: each one's items
 last_policy = _T.last_policy
 set_policy = _T.set_policy  # a dict of policy fields, replacing what is forced ({}: nothing)
 

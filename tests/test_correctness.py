@@ -226,6 +226,48 @@ def test_bit_identical_across_runs_and_threads(tier, shape, causal, dtype):
         assert torch.equal(x, w), f"{name} differs between 1 and 3 threads"
 
 
+@pytest.mark.parametrize("in_order", [True, False], ids=["in_order", "ranges"])
+@pytest.mark.parametrize("total,threads", [(1, 1), (1, 4), (5, 2), (7, 3), (64, 2), (1000, 7)])
+def test_item_queue_hands_out_every_item_once(total, threads, in_order):
+    """run_phase's ItemQueue: drained by all its threads at once (one of them slowed), every
+    item goes to exactly one thread, and on ranges each thread takes its own range's items in
+    order before any other (a decode thread's splits follow one another in memory)."""
+    n = min(threads, total)  # (a queue has no more threads than items)
+    delays = [0] * n
+    delays[-1] = 200  # microseconds after each item
+    got = _testing.item_queue_drain(total, threads, in_order, delays)
+    assert len(got) == n
+    assert sorted(i for items in got for i in items) == list(range(total))
+    if not in_order:
+        for t, items in enumerate(got):
+            own = range(total * t // n, total * (t + 1) // n)
+            taken = [i for i in items if i in own]
+            assert taken == list(own)[:len(taken)], f"thread {t} took its range out of order"
+            assert items[:len(taken)] == taken, f"thread {t} took another's item first"
+
+
+def test_item_queue_ranges_order():
+    """On ranges a thread's own items come from the front; then it takes the back of the range
+    with the most left (the busiest thread's last items), until none is left for anyone."""
+    seq = _testing.item_queue_sequence(10, 2, False, [0] * 6 + [1] + [0] * 5)
+    assert seq == [0, 1, 2, 3, 4, 9, 5, 8, 7, 6, -1, -1]
+    # ranges [0, 3) [3, 6) [6, 9): thread 2 takes 6, 7, 8, then 2 (the back of [0, 3): of two
+    # ranges with 3 left, the first thread's); thread 0 its 0; thread 2 then 5 (the back of
+    # [3, 6), now the longest); thread 1 its 3, 4, then 1, the last
+    seq = _testing.item_queue_sequence(9, 3, False, [2, 2, 2, 2, 0, 2, 1, 1, 1, 0])
+    assert seq == [6, 7, 8, 2, 0, 5, 3, 4, 1, -1]
+    assert _testing.item_queue_sequence(3, 2, True, [1, 1, 0, 0]) == [0, 1, 2, -1]
+
+
+def test_item_queue_a_slowed_thread_does_fewer_items():
+    """Items go to the threads that are free: one thread sleeping after each item does only a
+    few of its range's 20 (the case that ranges without stealing lost: every decode call waited
+    for the slowest thread's last split)."""
+    for in_order in (True, False):
+        got = _testing.item_queue_drain(40, 2, in_order, [0, 20000])
+        assert len(got[1]) <= 10, (in_order, [len(g) for g in got])
+
+
 def test_tiers_agree():
     """Every runnable tier against the portable anchor (within fp32 rounding)."""
     from conftest import RUNNABLE_TIERS

@@ -73,12 +73,12 @@ struct TierImpl {
 
   template <class T>
   static void run_typed(const AttnParams& p, Phase phase, int64_t begin, int64_t end,
-                        void* scratch_v, std::atomic<int64_t>* claim) {
+                        void* scratch_v, ItemQueue* queue, int thread) {
     const Blocks bl(p);
     float* scratch = static_cast<float*>(scratch_v);
     const ThreadState<Ops> thread_state;  // e.g. AMX: tile configuration loaded / released
-    int64_t item = claim ? claim->fetch_add(1, std::memory_order_relaxed) : begin;
-    for (; item < end; item = claim ? claim->fetch_add(1, std::memory_order_relaxed) : item + 1) {
+    int64_t item = queue ? queue->next(thread) : begin;
+    for (; queue ? item >= 0 : item < end; item = queue ? queue->next(thread) : item + 1) {
       switch (phase) {
         case Phase::PackKV: FlashForward<Ops, T>::run_pack(p, bl, item); break;
         case Phase::Forward: FlashForward<Ops, T>::run_item(p, bl, item, scratch); break;
@@ -112,11 +112,11 @@ struct TierImpl {
   }
 
   static void run(const AttnParams& p, Phase phase, int64_t begin, int64_t end, void* scratch,
-                  std::atomic<int64_t>* claim) {
+                  ItemQueue* queue, int thread) {
     switch (p.dtype) {
-      case DType::F32: run_typed<float>(p, phase, begin, end, scratch, claim); break;
-      case DType::BF16: run_typed<bf16_t>(p, phase, begin, end, scratch, claim); break;
-      case DType::F16: run_typed<f16_t>(p, phase, begin, end, scratch, claim); break;
+      case DType::F32: run_typed<float>(p, phase, begin, end, scratch, queue, thread); break;
+      case DType::BF16: run_typed<bf16_t>(p, phase, begin, end, scratch, queue, thread); break;
+      case DType::F16: run_typed<f16_t>(p, phase, begin, end, scratch, queue, thread); break;
     }
   }
 };

@@ -277,9 +277,8 @@ inline bool bwd_fused_owns_delta(const AttnParams& p) { return p.sinks == nullpt
 // memory-bound phases: a thread's decode splits follow one another in memory, so its K / V
 // streams run on from item to item) and takes its items from the front; a thread whose range
 // is empty takes items from the back of the range with the most left (of equals, the first
-// thread's). Either way a thread whose
-// core another process shares does fewer items instead of holding the others up at the end, and
-// no item's output depends on which thread runs it.
+// thread's). Either way a thread whose core another process shares does fewer items instead of
+// holding the others up at the end, and no item's output depends on which thread runs it.
 class ItemQueue {
  public:
   ItemQueue(int64_t total, int threads, bool in_order);  // (threads: at most total)

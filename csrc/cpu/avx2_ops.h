@@ -578,35 +578,39 @@ struct Avx2Ops : GenericOps {
       s[int64_t(i) * lds] = r[2 * i], s[int64_t(i) * lds + 1] = r[2 * i + 1];
   }
 
-  // decode_qk over more than two query rows: keys in pairs (each K row's lines prefetched),
-  // rows in groups of up to 4 (qk_2keys); an odd last key paired with itself.
+  // decode_qk over more than two query rows: rows in groups of up to 4, each group's pass over
+  // the keys in pairs (qk_2keys, R a compile-time count inside the pass: no row loop or row
+  // dispatch per pair); an odd last key paired with itself. Each K chunk is widened once a
+  // group; the first pass prefetches, the later groups' passes read the rows from cache.
   template <class C, class Rows, class T = typename Rows::Elem>
   static void qk_pairs(const Rows& k, int nk, int D, const float* q, int ldq, int M, float* s,
                        int lds) {
-    const bool pf = k.prefetches();
-    auto c = k.cursor();
-    const auto next_row = [&] {
-      const T* r = c.row();
-      if (pf) prefetch_key(c, k, 0, D * int(sizeof(T)));
-      c.next();
-      return r;
-    };
-    for (int j = 0; j < nk; j += 2) {
-      const bool two = j + 1 < nk;
-      const T* k0 = next_row();
-      const T* k1 = two ? next_row() : k0;
-      for (int r = 0; r < M; r += 4) {
-        const int n = M - r < 4 ? M - r : 4;
-        float t[4 * 2];  // an odd last key's sums, the second of each pair dropped
-        float* out = two ? s + int64_t(r) * lds + j : t;
-        with_rows<4>(n, [&](auto rows) {
-          qk_2keys<C, decltype(rows)::value>(k0, k1, D, q + int64_t(r) * ldq, ldq, out,
-                                             two ? lds : 2);
-        });
-        if (!two)
-          for (int i = 0; i < n; ++i) s[int64_t(r + i) * lds + j] = t[2 * i];
-      }
-    }
+    const int bytes = D * int(sizeof(T));
+    for (int r = 0; r < M; r += 4)
+      with_rows<4>(M - r < 4 ? M - r : 4, [&](auto rows) {
+        constexpr int R = decltype(rows)::value;
+        const bool pf = r == 0 && k.prefetches();
+        const float* qr = q + int64_t(r) * ldq;
+        float* sr = s + int64_t(r) * lds;
+        auto c = k.cursor();
+        const auto next_row = [&] {
+          const T* row = c.row();
+          if (pf) prefetch_key(c, k, 0, bytes);
+          c.next();
+          return row;
+        };
+        int j = 0;
+        for (; j + 2 <= nk; j += 2) {
+          const T* k0 = next_row();
+          qk_2keys<C, R>(k0, next_row(), D, qr, ldq, sr + j, lds);
+        }
+        if (j < nk) {  // (its second sums dropped)
+          float t[4 * 2];
+          const T* k0 = next_row();
+          qk_2keys<C, R>(k0, k0, D, qr, ldq, t, 2);
+          for (int i = 0; i < R; ++i) sr[int64_t(i) * lds + j] = t[2 * i];
+        }
+      });
   }
 
   // decode_qk over q's rows as given, in C's chunk order. Up to two rows: four keys at a time,

@@ -733,12 +733,16 @@ struct Avx2Ops : GenericOps {
     // One query row does little arithmetic per V row, and its reads follow the hardware
     // prefetchers better the fewer rows a group interleaves: two keys at a time. More rows
     // take four (their accumulators' loads and stores and the weights' broadcasts amortised
-    // over more keys).
+    // over more keys), two left over a pair: an all-heads item's sub-blocks of an fp32 cache
+    // can be two keys (FlashDecode::sub_keys), which would otherwise load and store the
+    // accumulators for every key. (Every group adds its keys in order: the same sums.)
     int j = 0;
-    if (M == 1)
+    if (M == 1) {
       for (; j + 2 <= nk; j += 2) keys(std::integral_constant<int, 2>(), j);
-    else
+    } else {
       for (; j + 4 <= nk; j += 4) keys(std::integral_constant<int, 4>(), j);
+      if (j + 2 <= nk) keys(std::integral_constant<int, 2>(), j), j += 2;
+    }
     for (; j < nk; ++j) keys(std::integral_constant<int, 1>(), j);
     if (D16 < Dv)
       GenericOps::decode_pv(v.shift(D16), nk, Dv - D16, p, ldp, M, acc + D16, ldacc);

@@ -158,10 +158,14 @@ def kvcache_case(cache, g, dtype=torch.bfloat16):
 def test_near_prefetch(tier, cache):
     """Decode's near prefetches (a sub-block ahead, non-temporal: KernelPolicy::near_pf) where
     the tier's trait has them and the cache is not float8, counted per block (not on blocks
-    copied from small pages, which the copy prefetches); prefetches never change a result: bit
-    for bit the block-ahead ones' output."""
+    copied from small pages, which the copy prefetches). Prefetches never change a sum: bit for
+    bit the block-ahead ones' output, but where items take every kv head of keys read in place
+    ((B, L, Hkv, D), paged or not): there near prefetching holds no block in L2 and the blocks
+    are one head's share of keys (FlashDecode::block_keys), fewer than the block-ahead ones', so
+    the online softmax runs in another order and the outputs agree to their rounding (bf16: one
+    unit in the last place)."""
     q, k, v, kw = kvcache_case(cache, torch.Generator().manual_seed(5))
-    outs = {}
+    outs, blocks = {}, {}
     for forced in (None, 0):
         with _testing.policy(**({} if forced is None else {"near_pf": forced})), \
                 _testing.counting() as n:
@@ -171,7 +175,15 @@ def test_near_prefetch(tier, cache):
         assert c["decode_blocks"] > 0 and ran == expected, (ran, c)
         assert (c["decode_near_pf_blocks"] > 0) == (expected and cache != "small-pages"), c
         assert c["decode_near_pf_blocks"] + c["decode_gathered_blocks"] <= c["decode_blocks"]
-    torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
+        blocks[forced] = c["decode_blocks"]
+    longer = "near_pf" in ran_paths() and cache in ("keys-major", "paged")
+    assert (blocks[None] < blocks[0]) == longer, blocks
+    if not longer:
+        torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
+    else:
+        a, b = outs[None].float(), outs[0].float()
+        ulp = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7
+        assert bool(((a - b).abs() <= ulp).all()), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8",

@@ -62,9 +62,14 @@ struct FlashDecode {
   static bool pv_per_head(const AttnParams& p) { return p.pv_whole && all_heads(p); }
   // Keys per block: the item's K rows (of every head it takes) in about decode_block_bytes()
   // (a share of the core's L2), so that K and V streams alternate as often per byte in every
-  // width; a multiple of 16 keys.
+  // width; a multiple of 16 keys. That share bounds what is prefetched a block ahead into L2
+  // (and a gathered block); an all-heads item whose prefetches run near (a sub-block ahead)
+  // holds no block in L2, and takes the keys of one head's share instead: each block costs an
+  // online-softmax step for every head's rows (bench/ab.py --mode kvcache shows the gain).
   static int64_t block_keys(const AttnParams& p) {
-    const int64_t row = heads_per_item(p) * max64(p.D, p.Dv) * int64_t(sizeof(KV));
+    const bool whole_rows = !(Ops::kDecodeNearPf && p.near_pf) || gathers(p);
+    const int64_t heads = whole_rows ? heads_per_item(p) : 1;
+    const int64_t row = heads * max64(p.D, p.Dv) * int64_t(sizeof(KV));
     return min64(kMaxBlock, max64(16, decode_block_bytes() / row / 16 * 16));
   }
   // Keys per sub-block: an all-heads item's Q.K passes (one per kv head) go over a block a

@@ -154,6 +154,14 @@ def kvcache_case(cache, g, dtype=torch.bfloat16):
     return q, k, v, kw
 
 
+def assert_same_to_bf16_rounding(a, b):
+    """Two bf16 results of the same sums in another order: one unit in the last place apart at
+    most, plus what the fp32 sums' own difference leaves on outputs that cancel to near 0."""
+    a, b = a.float(), b.float()
+    bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-6
+    assert bool(((a - b).abs() <= bound).all()), ((a - b).abs() - bound).max()
+
+
 @pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8"])
 def test_near_prefetch(tier, cache):
     """Decode's near prefetches (a sub-block ahead, non-temporal: KernelPolicy::near_pf) where
@@ -162,8 +170,8 @@ def test_near_prefetch(tier, cache):
     bit the block-ahead ones' output, but where items take every kv head of keys read in place
     ((B, L, Hkv, D), paged or not): there near prefetching holds no block in L2 and the blocks
     are one head's share of keys (FlashDecode::block_keys), fewer than the block-ahead ones', so
-    the online softmax runs in another order and the outputs agree to their rounding (bf16: one
-    unit in the last place)."""
+    the online softmax runs in another order and the outputs agree to their rounding
+    (assert_same_to_bf16_rounding)."""
     q, k, v, kw = kvcache_case(cache, torch.Generator().manual_seed(5))
     outs, blocks = {}, {}
     for forced in (None, 0):
@@ -181,9 +189,30 @@ def test_near_prefetch(tier, cache):
     if not longer:
         torch.testing.assert_close(outs[None], outs[0], atol=0, rtol=0)
     else:
-        a, b = outs[None].float(), outs[0].float()
-        ulp = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7
-        assert bool(((a - b).abs() <= ulp).all()), (a - b).abs().max()
+        assert_same_to_bf16_rounding(outs[None], outs[0])
+
+
+def test_near_blocks_hold_scores(tier):
+    """Near prefetching's longer blocks for items taking every kv head (FlashDecode::block_keys)
+    stop where the block's scores, every head's rows, would outgrow the block's share of L2:
+    16 queries a head (128 rows a kv head here) take more, shorter blocks than one query over
+    the same cache, and both give what the block-ahead prefetches' blocks give, to the output's
+    rounding."""
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(1, 1024, 8, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    blocks = {}
+    for lq in (1, 16):
+        q = torch.randn(1, lq, 64, 64, generator=g).to(torch.bfloat16)
+        outs = {}
+        for forced in (None, 0):
+            with _testing.policy(**({} if forced is None else {"near_pf": forced})), \
+                    _testing.counting() as n:
+                outs[forced] = flashsdpa.flash_attn_with_kvcache(q, k, v, causal=True)
+                if forced is None:
+                    near = _testing.last_policy()["near_pf"]
+                    blocks[lq] = n()["decode_blocks"]
+        assert_same_to_bf16_rounding(outs[None], outs[0])
+    assert (blocks[16] > blocks[1]) == (near and "near_pf" in ran_paths()), (blocks, near)
 
 
 @pytest.mark.parametrize("cache", ["heads-major", "keys-major", "paged", "small-pages", "float8",

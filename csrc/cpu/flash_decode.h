@@ -65,12 +65,16 @@ struct FlashDecode {
   // width; a multiple of 16 keys. That share bounds what is prefetched a block ahead into L2
   // (and a gathered block); an all-heads item whose prefetches run near (a sub-block ahead)
   // holds no block in L2, and takes the keys of one head's share instead: each block costs an
-  // online-softmax step for every head's rows (bench/ab.py --mode kvcache shows the gain).
+  // online-softmax step for every head's rows (bench/ab.py --mode kvcache shows the gain), as
+  // long as the block's scores (every head's rows: several a head with Lq > 1) fit that share.
   static int64_t block_keys(const AttnParams& p) {
     const bool whole_rows = !(Ops::kDecodeNearPf && p.near_pf) || gathers(p);
     const int64_t heads = whole_rows ? heads_per_item(p) : 1;
     const int64_t row = heads * max64(p.D, p.Dv) * int64_t(sizeof(KV));
-    return min64(kMaxBlock, max64(16, decode_block_bytes() / row / 16 * 16));
+    int64_t nb = decode_block_bytes() / row;
+    if (!whole_rows)
+      nb = min64(nb, decode_block_bytes() / (heads_per_item(p) * rows(p) * int64_t(sizeof(float))));
+    return min64(kMaxBlock, max64(16, nb / 16 * 16));
   }
   // Keys per sub-block: an all-heads item's Q.K passes (one per kv head) go over a block a
   // sub-block at a time, so that the item reads whole rows in order, a few at a time, each

@@ -168,9 +168,9 @@ def test_near_prefetch(tier, cache):
     the tier's trait has them and the cache is not float8, counted per block (not on blocks
     copied from small pages, which the copy prefetches). Prefetches never change a sum: bit for
     bit the block-ahead ones' output, but where items take every kv head of keys read in place
-    ((B, L, Hkv, D), paged or not): there near prefetching holds no block in L2 and the blocks
-    are one head's share of keys (FlashDecode::block_keys), fewer than the block-ahead ones', so
-    the online softmax runs in another order and the outputs agree to their rounding
+    ((B, L, Hkv, D), paged or not): there near prefetching holds no block in L2 and a block is
+    one head's share of keys (FlashDecode::block_keys), longer than the block-ahead ones (fewer
+    blocks), so the online softmax runs in another order and the outputs agree to their rounding
     (assert_same_to_bf16_rounding)."""
     q, k, v, kw = kvcache_case(cache, torch.Generator().manual_seed(5))
     outs, blocks = {}, {}

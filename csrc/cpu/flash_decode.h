@@ -73,7 +73,8 @@ struct FlashDecode {
     const int64_t row = heads * max64(p.D, p.Dv) * int64_t(sizeof(KV));
     int64_t nb = decode_block_bytes() / row;
     if (!whole_rows)
-      nb = min64(nb, decode_block_bytes() / (heads_per_item(p) * rows(p) * int64_t(sizeof(float))));
+      nb = min64(nb, decode_block_bytes() /
+                         (heads_per_item(p) * rows(p) * int64_t(sizeof(float))));
     return min64(kMaxBlock, max64(16, nb / 16 * 16));
   }
   // Keys per sub-block: an all-heads item's Q.K passes (one per kv head) go over a block a
